@@ -1,0 +1,170 @@
+"""The command line shared by the trainers: upstream's flags with upstream's
+defaults, plus this project's (preset, reward, batching, control). Flags that
+did nothing upstream are accepted and say so in their help."""
+import argparse
+import sys
+
+from . import presets
+from .distributed import SHARDING_STRATEGIES
+from .rewards import add_reward_args, resolve_reward_spec
+
+NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
+
+
+def build_parser(family, description=None):
+    p = argparse.ArgumentParser(description=description or f"DanceGRPO training for {family}.")
+    bool_flag = dict(action=argparse.BooleanOptionalAction, default=False)
+
+    g = p.add_argument_group("embedded default")
+    g.add_argument("--preset", choices=presets.preset_names(family), default=None,
+                   help="Build small models and prompt data offline and use them as defaults "
+                        "(explicit flags still win). 'tiny' trains on CPU in about a minute.")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data_json_path", type=str, default=None,
+                   help="JSON written by the preprocessing script (required unless --preset).")
+    g.add_argument("--dataloader_num_workers", type=int, default=10)
+    g.add_argument("--train_batch_size", type=int, default=16, help="Prompts per rank per step.")
+    g.add_argument("--num_latent_t", type=int, default=1, help=NOOP)
+
+    g = p.add_argument_group("models")
+    g.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                   help="Local diffusers folder with transformer/ and vae/.")
+    g.add_argument("--dit_model_name_or_path", type=str, default=None,
+                   help="Folder holding transformer/ if it differs from the pretrained folder.")
+    g.add_argument("--vae_model_path", type=str, default=None,
+                   help="Folder holding vae/ if it differs from the pretrained folder.")
+    g.add_argument("--cache_dir", type=str, default="./cache_dir", help="Where presets are built.")
+
+    g = p.add_argument_group("diffusion")
+    g.add_argument("--ema_decay", type=float, default=0.995)
+    g.add_argument("--ema_start_step", type=int, default=0)
+    g.add_argument("--cfg", type=float, default=0.0, help=NOOP)
+    g.add_argument("--precondition_outputs", action="store_true", help=NOOP)
+    g.add_argument("--guidance", type=float, default=3.5, help="Distilled guidance (models with guidance embeds).")
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--output_dir", type=str, default=None, help="Metrics, reward.txt and checkpoints.")
+    g.add_argument("--checkpointing_steps", type=int, default=500,
+                   help="Save after every N steps' update, and always at the end.")
+    g.add_argument("--resume_from_checkpoint", type=str, default=None,
+                   help="A checkpoint-STEP-EPOCH folder, or 'latest' (in --output_dir).")
+    g.add_argument("--logging_dir", type=str, default="logs", help=NOOP)
+    g.add_argument("--report_to", choices=["none", "wandb"], default="none",
+                   help="wandb is optional and off by default.")
+
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max_train_steps", type=int, default=None)
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                   help="Samples per optimizer step (upstream's cadence: one step per GA samples).")
+    g.add_argument("--learning_rate", type=float, default=1e-4)
+    g.add_argument("--lr_warmup_steps", type=int, default=10)
+    g.add_argument("--max_grad_norm", type=float, default=2.0)
+    g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--selective_checkpointing", type=float, default=1.0,
+                   help="Fraction of transformer blocks recomputed with --gradient_checkpointing.")
+    g.add_argument("--allow_tf32", action="store_true")
+    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                   help="bf16 autocast on GPU unless 'no'; CPU runs in float32.")
+    g.add_argument("--use_cpu_offload", action="store_true", help="FSDP parameter offload to CPU.")
+    g.add_argument("--sp_size", type=int, default=1, help="Sequence parallelism: only 1 is supported.")
+    g.add_argument("--train_sp_batch_size", type=int, default=1, help=NOOP)
+    g.add_argument("--fsdp_sharding_startegy", "--fsdp_sharding_strategy", dest="fsdp_sharding_startegy",
+                   choices=SHARDING_STRATEGIES, default="full", help="(upstream's spelling kept)")
+    g.add_argument("--lr_scheduler", type=str, default="constant_with_warmup")
+    g.add_argument("--lr_num_cycles", type=int, default=1)
+    g.add_argument("--lr_power", type=float, default=1.0)
+    g.add_argument("--weight_decay", type=float, default=0.01)
+    g.add_argument("--master_weight_type", choices=["fp32"], default="fp32")
+
+    g = p.add_argument_group("GRPO")
+    g.add_argument("--h", type=int, default=None, help="Image height (px, multiple of 16).")
+    g.add_argument("--w", type=int, default=None, help="Image width (px, multiple of 16).")
+    g.add_argument("--t", type=int, default=None, help=NOOP)
+    g.add_argument("--sampling_steps", type=int, default=None, help="S, denoising steps of a rollout.")
+    g.add_argument("--eta", type=float, default=None, help="SDE noise level (> 0).")
+    g.add_argument("--sampler_seed", type=int, default=None, help="Prompt sampler seed (default: --seed).")
+    g.add_argument("--loss_coef", type=float, default=1.0, help=NOOP)
+    g.add_argument("--use_group", **bool_flag, help="Group-normalised advantages over --num_generations.")
+    g.add_argument("--num_generations", type=int, default=16)
+    g.add_argument("--use_hpsv2", **bool_flag, help="Same as --reward hpsv2=1.")
+    g.add_argument("--use_pickscore", **bool_flag, help="Same as --reward pickscore=1.")
+    g.add_argument("--ignore_last", **bool_flag, help="The last transition is always dropped. " + NOOP)
+    g.add_argument("--init_same_noise", **bool_flag, help="Same initial noise within each prompt's group.")
+    g.add_argument("--shift", type=float, default=1.0)
+    g.add_argument("--timestep_fraction", type=float, default=1.0,
+                   help="Fraction of the S-1 transitions trained per sample, in (0, 1].")
+    g.add_argument("--clip_range", type=float, default=1e-4)
+    g.add_argument("--adv_clip_max", type=float, default=5.0)
+    g.add_argument("--use_ema", **bool_flag)
+
+    g = p.add_argument_group("batching and controls (this project)")
+    g.add_argument("--sample_batch_size", type=int, default=1,
+                   help="Samples per transformer call in the rollout (upstream: 1).")
+    g.add_argument("--update_batch_size", type=int, default=1,
+                   help="Samples per transformer call in the policy update (upstream: 1); the gradient "
+                        "is the same, only the batching changes.")
+    g.add_argument("--shuffle_advantages", **bool_flag,
+                   help="Control run: randomly permute the advantages over the step's samples.")
+    add_reward_args(p)
+    p.set_defaults(family=family)
+    return p
+
+
+def _preset_from(argv, family):
+    """The preset and cache folder named on the command line, before the full parse."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=None)
+    pre.add_argument("--cache_dir", default="./cache_dir")
+    known, _ = pre.parse_known_args(argv)
+    return known.preset, known.cache_dir
+
+
+def parse_args(parser, argv=None):
+    """Parse with preset defaults applied under explicit flags, then validate."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    preset, cache_dir = _preset_from(argv, parser.get_default("family"))
+    if preset is not None and preset in presets.preset_names(parser.get_default("family")):
+        parser.set_defaults(**presets.preset_defaults(parser.get_default("family"), preset, cache_dir))
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    return args
+
+
+def validate_args(args):
+    """Reject bad flags with a message that names the fix."""
+    if args.sampling_steps is None or args.sampling_steps < 2:
+        raise ValueError("--sampling_steps must be >= 2 (upstream scripts use 16 or 20)")
+    if args.eta is None or args.eta <= 0:
+        raise ValueError("--eta must be > 0: the SDE log-prob needs noise (upstream scripts use 0.3)")
+    if not 0.0 < args.timestep_fraction <= 1.0:
+        raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}")
+    if int((args.sampling_steps - 1) * args.timestep_fraction) < 1:
+        raise ValueError("--timestep_fraction x (sampling_steps - 1) trains no transition; raise either")
+    for name in ("h", "w"):
+        v = getattr(args, name)
+        if v is None or v <= 0 or v % 16:
+            raise ValueError(f"--{name} must be a positive multiple of 16 (got {v})")
+    for name in ("train_batch_size", "num_generations", "gradient_accumulation_steps",
+                 "sample_batch_size", "update_batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1")
+    if args.max_train_steps is None or args.max_train_steps < 1:
+        raise ValueError("--max_train_steps must be >= 1")
+    if args.checkpointing_steps < 1:
+        raise ValueError("--checkpointing_steps must be >= 1")
+    if args.clip_range <= 0 or args.adv_clip_max <= 0:
+        raise ValueError("--clip_range and --adv_clip_max must be > 0")
+    if not 0.0 <= args.selective_checkpointing <= 1.0:
+        raise ValueError("--selective_checkpointing must be in [0, 1]")
+    if args.sp_size != 1:
+        raise ValueError("--sp_size > 1 (sequence parallelism) is not supported; use data parallel ranks")
+    if args.output_dir is None:
+        raise ValueError("--output_dir is required (metrics, reward.txt and checkpoints go there)")
+    if args.use_group and args.num_generations < 2:
+        raise ValueError("--use_group needs --num_generations >= 2")
+    args.reward_terms = resolve_reward_spec(args)

@@ -1,0 +1,104 @@
+"""GRPO pieces shared by every model family: advantages, the PPO loss, the
+choice of trained transitions, and the policy-update seam.
+
+`policy_update` is the ONE function that the JAGG patch replaces (see
+`jagg_patch.seams`). It receives closures, not a model, so it is the same for
+Flux and Qwen-Image and knows nothing about FSDP, prompts or rewards.
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+
+def group_advantages(rewards, num_generations, eps=1e-8):
+    """(r - mean) / (std + eps) inside each contiguous block of `num_generations`.
+
+    std is the unbiased one, as upstream (torch.std default).
+    """
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
+    groups = rewards.reshape(-1, num_generations)
+    if num_generations < 2:
+        raise ValueError("--use_group needs --num_generations >= 2 (a group of 1 has no spread)")
+    adv = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def global_advantages(rewards, all_rewards, eps=1e-8):
+    """Normalise this rank's rewards by the statistics of every rank's rewards."""
+    return (rewards - all_rewards.mean()) / (all_rewards.std() + eps)
+
+
+def ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max):
+    """Per-sample PPO-clip objective max(-A r, -A clip(r, 1-eps, 1+eps)), A clamped."""
+    adv = advantages.clamp(-adv_clip_max, adv_clip_max)
+    ratio = torch.exp(log_prob - old_log_prob)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_range, 1.0 + clip_range)
+    return torch.maximum(unclipped, clipped)
+
+
+def num_train_timesteps(num_transitions, timestep_fraction):
+    """int((S-1) * fraction) trained transitions per sample, at least one."""
+    if not 0.0 < timestep_fraction <= 1.0:
+        raise ValueError(f"--timestep_fraction must be in (0, 1], got {timestep_fraction}")
+    n = int(num_transitions * timestep_fraction)
+    if n < 1:
+        raise ValueError(f"--timestep_fraction {timestep_fraction} trains no transition out of "
+                         f"{num_transitions}; raise it or --sampling_steps")
+    return n
+
+
+def choose_train_steps(num_samples, num_transitions, num_train, generator=None):
+    """Per sample, a random permutation of the transitions, truncated to `num_train`.
+
+    Returns a LongTensor [num_samples, num_train] in the (random) order vanilla
+    trains them, exactly as upstream's per-sample randperm.
+    """
+    perms = [torch.randperm(num_transitions, generator=generator)[:num_train] for _ in range(num_samples)]
+    return torch.stack(perms)
+
+
+@dataclass
+class UpdateBatch:
+    """One micro-batch of m samples as the policy update sees it.
+
+    predict(k) -> v: model output for transition k[i] of sample i (k: LongTensor [m]);
+        it runs the transformer with grad if grad is enabled.
+    step_loss(k, v) -> scalar: the summed, normalised PPO loss of the m samples at
+        transitions k given output v; it runs no transformer pass.
+    steps: LongTensor [m, n], the trained transitions, in the order vanilla trains them.
+    timesteps: float tensor [S-1 or S], model timestep of each transition index.
+    """
+    predict: Callable
+    step_loss: Callable
+    steps: torch.Tensor
+    timesteps: torch.Tensor
+
+
+@dataclass
+class UpdateStats:
+    loss: float = 0.0
+    backward_calls: int = 0
+    jagg_groups: int = 0
+    exact_groups: int = 0
+
+    def __iadd__(self, other):
+        self.loss += other.loss
+        self.backward_calls += other.backward_calls
+        self.jagg_groups += other.jagg_groups
+        self.exact_groups += other.exact_groups
+        return self
+
+
+def policy_update(batch: UpdateBatch) -> UpdateStats:
+    """Vanilla DanceGRPO: one forward with grad and one backward per trained transition."""
+    stats = UpdateStats()
+    for j in range(batch.steps.shape[1]):
+        k = batch.steps[:, j]
+        loss = batch.step_loss(k, batch.predict(k))
+        loss.backward()
+        stats.loss += loss.item()
+        stats.backward_calls += 1
+    return stats

@@ -1,0 +1,84 @@
+"""Counting transformer passes by hooks, and the per-step metrics files."""
+import json
+import os
+
+import torch
+
+
+def _first_tensor(output):
+    if torch.is_tensor(output):
+        return output
+    if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
+        return output[0]
+    sample = getattr(output, "sample", None)
+    return sample if torch.is_tensor(sample) else None
+
+
+class PassCounter:
+    """Counts per-sample transformer passes with hooks on the model itself.
+
+    A forward of a batch of m samples counts m. `backwards` counts the forward
+    instances whose output received a gradient, i.e. whose graph was
+    backpropagated (a JAGG group counts 2 per sample, its two endpoints).
+    """
+
+    def __init__(self, module):
+        self.forwards_grad = self.forwards_nograd = self.backwards = 0
+        self._handle = module.register_forward_hook(self._on_forward)
+
+    def _on_forward(self, module, inputs, output):
+        out = _first_tensor(output)
+        n = out.shape[0] if out is not None and out.ndim > 0 else 1
+        if torch.is_grad_enabled() and out is not None and out.requires_grad:
+            self.forwards_grad += n
+            out.register_hook(lambda grad, n=n: self._on_backward(n))
+        else:
+            self.forwards_nograd += n
+
+    def _on_backward(self, n):
+        self.backwards += n
+
+    def reset(self):
+        self.forwards_grad = self.forwards_nograd = self.backwards = 0
+
+    def as_dict(self):
+        return {"transformer_forwards_grad": self.forwards_grad,
+                "transformer_forwards_nograd": self.forwards_nograd,
+                "transformer_backwards": self.backwards}
+
+    def remove(self):
+        self._handle.remove()
+
+
+class MetricsWriter:
+    """metrics.jsonl (one JSON line per step) and upstream's reward.txt, on rank 0 only.
+
+    Each line is flushed as it is written, so a crash loses no finished step.
+    """
+
+    def __init__(self, output_dir, enabled, wandb_run=None):
+        self.enabled, self.wandb_run = enabled, wandb_run
+        self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
+        self.reward_path = os.path.join(output_dir, "reward.txt")
+        self.history = []
+
+    def write(self, record):
+        self.history.append(record)
+        if not self.enabled:
+            return
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with open(self.reward_path, "a") as f:
+            f.write(f"{record['reward_mean']}\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log(record, step=record["step"])
+
+    def summary(self):
+        if not self.history:
+            return "no step ran"
+        first, last = self.history[0], self.history[-1]
+        n = len(self.history)
+        mean_time = sum(r["step_time_s"] for r in self.history) / n
+        return (f"{n} steps | reward {first['reward_mean']:.4f} -> {last['reward_mean']:.4f} | "
+                f"{mean_time:.2f} s/step | per step: {last['transformer_forwards_grad']} grad fwd, "
+                f"{last['transformer_forwards_nograd']} no-grad fwd, {last['transformer_backwards']} bwd")

@@ -1,0 +1,89 @@
+"""The interface every model family implements, plus packing helpers they share."""
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+def pack_latents(latents, batch_size, num_channels_latents, height, width):
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]: 2x2 patches become tokens (Flux layout)."""
+    x = latents.view(batch_size, num_channels_latents, height // 2, 2, width // 2, 2)
+    x = x.permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(batch_size, (height // 2) * (width // 2), num_channels_latents * 4)
+
+
+def unpack_latents(latents, height, width, vae_scale_factor):
+    """Inverse of pack_latents for an image of height x width pixels."""
+    batch_size, _, channels = latents.shape
+    lh = 2 * (int(height) // (vae_scale_factor * 2))
+    lw = 2 * (int(width) // (vae_scale_factor * 2))
+    x = latents.view(batch_size, lh // 2, lw // 2, channels // 4, 2, 2)
+    x = x.permute(0, 3, 1, 4, 2, 5)
+    return x.reshape(batch_size, channels // 4, lh, lw)
+
+
+def prepare_latent_image_ids(batch_size, height, width, device, dtype):
+    """Token position ids [(H)(W), 3] = (0, row, col); Flux takes them without a batch dim."""
+    ids = torch.zeros(height, width, 3)
+    ids[..., 1] = torch.arange(height)[:, None]
+    ids[..., 2] = torch.arange(width)[None, :]
+    return ids.reshape(height * width, 3).to(device=device, dtype=dtype)
+
+
+def latents_to_pil(images):
+    """Decoder output in [-1, 1], [B, 3, H, W] -> list of RGB PIL images."""
+    arr = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+    arr = arr.permute(0, 2, 3, 1).cpu().numpy()
+    return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
+
+
+def require_model_folder(path, subfolders, preset_hint):
+    """Fail early, naming the fix, when the diffusers model folder is not there."""
+    if not path:
+        raise FileNotFoundError("--pretrained_model_name_or_path is not set. Point it at a local diffusers "
+                                f"model folder, or run the embedded default with {preset_hint}.")
+    missing = [s for s in subfolders if not os.path.isfile(os.path.join(path, s, "config.json"))]
+    if missing:
+        raise FileNotFoundError(
+            f"Model folder {path!r} lacks {', '.join(s + '/config.json' for s in missing)}. Download the "
+            f"weights there (e.g. `huggingface-cli download <repo> --local-dir {path}`), or run the embedded "
+            f"default with {preset_hint}.")
+
+
+class ModelFamily:
+    """What the shared trainer needs from a model family.
+
+    cond: a dict of batch-first tensors (one row per sample) from the dataset;
+    latents: packed tokens [B, L, C]; every method is pure tensors in, tensors out.
+    """
+    name = ""
+    latent_channels = 16
+    vae_scale_factor = 8
+    # Dataset layout: cond key -> (JSON field holding the file name, sub-folder of the JSON's folder).
+    embedding_fields = {}
+    # Transformer block classes that FSDP wraps and activation checkpointing recomputes.
+    block_class_names = ()
+
+    def __init__(self, args):
+        self.height, self.width = args.h, args.w
+
+    def load(self, args, device):
+        """Return (transformer float32, vae) loaded from a local diffusers folder."""
+        raise NotImplementedError
+
+    def initial_noise(self, n, generator, device):
+        """Packed initial latents [n, L, C] drawn with `generator`."""
+        raise NotImplementedError
+
+    def predict(self, transformer, latents, timesteps, cond):
+        """Velocity for packed latents [B, L, C] at model timesteps [B] in [0, 1]."""
+        raise NotImplementedError
+
+    def decode(self, vae, latents):
+        """Packed x0 latents [B, L, C] -> list of PIL images."""
+        raise NotImplementedError
+
+    def block_classes(self, transformer):
+        """The transformer's block classes, found by name in the loaded model."""
+        return tuple({type(m) for m in transformer.modules() if type(m).__name__ in self.block_class_names})

@@ -1,0 +1,114 @@
+"""Reward registry: name -> factory(device, options) -> callable(images, prompts) -> Tensor[N] float32.
+
+Built-in rewards need no weights. Model-based rewards (hpsv2, pickscore,
+clipscore) are registered lazily by module path so that their heavy imports
+happen only when they are used.
+"""
+import importlib
+import math
+
+import torch
+
+_FACTORIES = {}
+_LAZY = {
+    "hpsv2": "dancegrpo.rewards.hpsv2:build",
+    "pickscore": "dancegrpo.rewards.pickscore:build",
+    "clipscore": "dancegrpo.rewards.clipscore:build",
+}
+
+
+def register_reward(name):
+    """Decorator: register `factory(device, options) -> reward_fn` under `name`."""
+    def wrap(factory):
+        _FACTORIES[name] = factory
+        return factory
+    return wrap
+
+
+def available_rewards():
+    return sorted(set(_FACTORIES) | set(_LAZY))
+
+
+def _factory(name):
+    if name in _FACTORIES:
+        return _FACTORIES[name]
+    if name in _LAZY:
+        module, attr = _LAZY[name].split(":")
+        return getattr(importlib.import_module(module), attr)
+    raise ValueError(f"Unknown reward {name!r}. Available: {', '.join(available_rewards())}")
+
+
+def parse_reward_spec(spec):
+    """'hpsv2=1.0,jpeg=0.5' -> [('hpsv2', 1.0), ('jpeg', 0.5)]; a bare name has weight 1."""
+    terms = []
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, _, weight = part.partition("=")
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            raise ValueError(f"Bad reward weight in {part!r}; use name=weight, e.g. hpsv2=1.0") from None
+        terms.append((name.strip(), w))
+    if not terms:
+        raise ValueError("No reward given: pass --reward NAME[=WEIGHT],... "
+                         f"(available: {', '.join(available_rewards())})")
+    names = [n for n, _ in terms]
+    if len(set(names)) != len(names):
+        raise ValueError(f"Reward named twice in {spec!r}")
+    for name in names:
+        if name not in available_rewards():
+            raise ValueError(f"Unknown reward {name!r}. Available: {', '.join(available_rewards())}")
+    return terms
+
+
+class RewardNotFiniteError(RuntimeError):
+    """A reward model returned NaN/inf: stopping before it reaches the update."""
+
+
+class WeightedReward:
+    """sum_i w_i * reward_i(images, prompts), each term kept for logging."""
+
+    def __init__(self, terms, device, options=None):
+        self.terms = [(name, w, _factory(name)(device, options)) for name, w in terms]
+        self.last_terms = {}
+
+    def __call__(self, images, prompts):
+        if len(images) != len(prompts):
+            raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
+        total = torch.zeros(len(images), dtype=torch.float32)
+        for name, weight, fn in self.terms:
+            scores = torch.as_tensor(fn(images, prompts)).detach().float().cpu().reshape(-1)
+            if scores.numel() != len(images):
+                raise ValueError(f"Reward {name!r} returned {scores.numel()} scores for {len(images)} images")
+            if not torch.isfinite(scores).all():
+                bad = [i for i, s in enumerate(scores.tolist()) if not math.isfinite(s)]
+                raise RewardNotFiniteError(
+                    f"Reward {name!r} returned NaN/inf for images {bad[:8]} (prompts: "
+                    f"{[prompts[i] for i in bad[:3]]}). The step was stopped before the policy update; "
+                    "check the reward model's weights and inputs.")
+            self.last_terms[name] = scores
+            total += weight * scores
+        return total
+
+
+def add_reward_args(parser):
+    """Flags of the reward models (their checkpoint locations)."""
+    g = parser.add_argument_group("rewards")
+    g.add_argument("--reward", type=str, default=None,
+                   help="Weighted rewards, e.g. 'hpsv2=1.0,pickscore=0.5'. Available: "
+                        + ", ".join(available_rewards()) + ". --use_hpsv2/--use_pickscore map onto this.")
+    return g
+
+
+def resolve_reward_spec(args):
+    """Merge --reward with upstream's --use_hpsv2 / --use_pickscore into one spec."""
+    terms = parse_reward_spec(args.reward) if args.reward else []
+    for flag, name in (("use_hpsv2", "hpsv2"), ("use_pickscore", "pickscore")):
+        if getattr(args, flag, False) and name not in {n for n, _ in terms}:
+            terms.append((name, 1.0))
+    if not terms:
+        raise ValueError("No reward chosen: pass --reward NAME[=WEIGHT],... or --use_hpsv2 / --use_pickscore "
+                         f"(available: {', '.join(available_rewards())}).")
+    return terms
+
+
+from . import builtin  # noqa: E402,F401  (registers the built-in rewards)

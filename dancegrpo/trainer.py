@@ -1,0 +1,376 @@
+"""The DanceGRPO training loop shared by every model family.
+
+Upstream's names are kept (`run_sample_step`, `sample_reference_model`,
+`grpo_one_step`, `train_one_step`) so that an upstream change can be ported by
+reading both side by side. Model specifics live in `dancegrpo.models`; the
+per-sample policy update is the seam `dancegrpo.grpo.policy_update`, which the
+trainer modules pass in by name so it can be patched at run time.
+"""
+import contextlib
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import checkpoint as ckpt
+from .data import PromptEmbeddingDataset, infinite_prompt_batches
+from .distributed import (all_reduce_mean, apply_activation_checkpointing, clip_grad_norm, gather_tensor,
+                          init_distributed, is_distributed, shutdown, wrap_fsdp)
+from .ema import ParamEMA
+from .grpo import (UpdateBatch, UpdateStats, choose_train_steps, global_advantages, group_advantages,
+                   num_train_timesteps, ppo_clip_loss)
+from .metrics import MetricsWriter, PassCounter
+from .rewards import WeightedReward
+from .sde import flux_step, model_timesteps, sigma_schedule
+
+
+@dataclass
+class Rollout:
+    """One step's trajectories. latents[b, k] is the state before transition k (k = 0..S)."""
+    latents: torch.Tensor     # [B, S+1, L, C] float32
+    log_probs: torch.Tensor   # [B, S] float32, log-prob of each transition under the sampling policy
+    images: list
+    rewards: torch.Tensor     # [B] float32
+
+
+@dataclass
+class TrainContext:
+    """Everything a training step needs; built once by `setup`."""
+    args: object
+    family: object
+    transformer: torch.nn.Module      # possibly FSDP-wrapped
+    raw_transformer: torch.nn.Module  # the diffusers model inside
+    vae: torch.nn.Module
+    reward_fn: object
+    optimizer: object
+    lr_scheduler: object
+    loader: object
+    device: torch.device
+    counter: PassCounter
+    sigmas: torch.Tensor
+    timesteps: torch.Tensor
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    ema: object = None
+    step: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def autocast(args, device):
+    """bf16 autocast on GPU, as upstream; CPU runs stay float32 (bf16 gives no speedup there)."""
+    if device.type == "cuda" and args.mixed_precision != "no":
+        dtype = torch.float16 if args.mixed_precision == "fp16" else torch.bfloat16
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
+def step_generators(ctx, step):
+    """Per (seed, step, rank) generators, so a resumed run draws what the original would have."""
+    base = (ctx.seed * 1_000_003 + step) * 1009 + ctx.rank
+    noise = torch.Generator(device=ctx.device).manual_seed(base % 2 ** 63)
+    host = torch.Generator().manual_seed((base + 7) % 2 ** 63)
+    return noise, host
+
+
+def predict_velocity(ctx, latents, timesteps, cond):
+    with autocast(ctx.args, ctx.device):
+        return ctx.family.predict(ctx.transformer, latents, timesteps, cond)
+
+
+def run_sample_step(ctx, z, cond, generator):
+    """Roll one chunk of samples through all S transitions with the SDE (no grad).
+
+    Returns (x0_hat of the last step, all latents [B, S+1, L, C], log-probs [B, S]).
+    """
+    all_latents, all_log_probs = [z], []
+    x0 = None
+    for i in range(ctx.sigmas.numel() - 1):
+        t = ctx.timesteps[i].expand(z.shape[0]).to(z.device)
+        v = predict_velocity(ctx, z, t, cond)
+        z, x0, log_prob = flux_step(v, z.float(), ctx.args.eta, ctx.sigmas, i, prev_sample=None, grpo=True,
+                                    sde_solver=True, generator=generator)
+        all_latents.append(z)
+        all_log_probs.append(log_prob)
+    return x0, torch.stack(all_latents, dim=1), torch.stack(all_log_probs, dim=1)
+
+
+def initial_latents(ctx, num_samples, generator):
+    """Initial noise; with --init_same_noise one draw per prompt group (upstream shared one
+    draw across all prompts on a rank, a bug)."""
+    args = ctx.args
+    if args.init_same_noise and args.use_group:
+        per_prompt = ctx.family.initial_noise(num_samples // args.num_generations, generator, ctx.device)
+        return per_prompt.repeat_interleave(args.num_generations, dim=0)
+    return ctx.family.initial_noise(num_samples, generator, ctx.device)
+
+
+@torch.no_grad()
+def sample_reference_model(ctx, cond, captions, generator):
+    """Rollouts of the current policy, decoded and scored. One transformer call per
+    chunk of --sample_batch_size samples and step."""
+    ctx.transformer.eval()
+    z0 = initial_latents(ctx, len(captions), generator)
+    latents, log_probs, images = [], [], []
+    for start in range(0, len(captions), ctx.args.sample_batch_size):
+        sl = slice(start, start + ctx.args.sample_batch_size)
+        x0, chunk_latents, chunk_log_probs = run_sample_step(ctx, z0[sl], {k: v[sl] for k, v in cond.items()},
+                                                             generator)
+        latents.append(chunk_latents)
+        log_probs.append(chunk_log_probs)
+        images.extend(ctx.family.decode(ctx.vae, x0))
+    rewards = ctx.reward_fn(images, captions).to(ctx.device)
+    return Rollout(torch.cat(latents), torch.cat(log_probs), images, rewards)
+
+
+def transition_log_prob(ctx, v, latents, next_latents, index):
+    """log p(next_latents | latents) under the policy whose output is v (upstream's flux_step, grpo=True)."""
+    return flux_step(v, latents.float(), ctx.args.eta, ctx.sigmas, index, prev_sample=next_latents.float(),
+                     grpo=True, sde_solver=True)[2]
+
+
+def grpo_one_step(ctx, rollout, cond, sample_idx, index):
+    """New log-prob of transition index[i] of sample sample_idx[i] (forward with grad)."""
+    z = rollout.latents[sample_idx, index]
+    v = predict_velocity(ctx, z, ctx.timesteps[index].to(z.device), cond)
+    return transition_log_prob(ctx, v, z, rollout.latents[sample_idx, index + 1], index)
+
+
+def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normaliser):
+    """Closures over one micro-batch: what `policy_update` works with."""
+    args = ctx.args
+    cond_m = {k: v[sample_idx] for k, v in cond.items()}
+
+    def predict(k):
+        return predict_velocity(ctx, rollout.latents[sample_idx, k], ctx.timesteps[k].to(ctx.device), cond_m)
+
+    def step_loss(k, v):
+        log_prob = transition_log_prob(ctx, v, rollout.latents[sample_idx, k], rollout.latents[sample_idx, k + 1], k)
+        per_sample = ppo_clip_loss(log_prob, rollout.log_probs[sample_idx, k], advantages[sample_idx],
+                                   args.clip_range, args.adv_clip_max)
+        # Upstream averages over a batch of one and divides by GA * train_timesteps;
+        # summing over the micro-batch keeps that gradient for any batching.
+        return per_sample.sum() / normaliser
+
+    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps)
+
+
+def compute_advantages(ctx, rewards, all_rewards, host_gen):
+    args = ctx.args
+    if args.use_group:
+        adv = group_advantages(rewards, args.num_generations)
+    else:
+        adv = global_advantages(rewards, all_rewards)
+    if args.shuffle_advantages:  # control: same magnitudes, no relation to the samples
+        adv = adv[torch.randperm(adv.numel(), generator=host_gen).to(adv.device)]
+    return adv
+
+
+def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update):
+    """Upstream's update cadence around the seam: per sample a random subset of
+    transitions, optimizer step after every GA samples (and after a final partial block)."""
+    args = ctx.args
+    num_samples, num_transitions = rollout.log_probs.shape[0], rollout.log_probs.shape[1] - 1  # last dropped
+    num_train = num_train_timesteps(num_transitions, args.timestep_fraction)
+    steps = choose_train_steps(num_samples, num_transitions, num_train, host_gen).to(ctx.device)
+    normaliser = args.gradient_accumulation_steps * num_train
+    ctx.transformer.train()
+    stats, grad_norms = UpdateStats(), []
+    for block in range(0, num_samples, args.gradient_accumulation_steps):
+        block_end = min(block + args.gradient_accumulation_steps, num_samples)
+        for start in range(block, block_end, args.update_batch_size):
+            idx = torch.arange(start, min(start + args.update_batch_size, block_end), device=ctx.device)
+            batch = make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
+            stats += policy_update(batch)
+        grad_norms.append(clip_grad_norm(ctx.transformer, args.max_grad_norm))
+        ctx.optimizer.step()
+        ctx.lr_scheduler.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
+    return stats, grad_norms, num_train
+
+
+def expand_groups(args, batch):
+    """Repeat each prompt --num_generations times in contiguous blocks (with --use_group)."""
+    captions = list(batch["caption"])
+    cond = {k: v for k, v in batch.items() if k != "caption"}
+    if args.use_group:
+        cond = {k: v.repeat_interleave(args.num_generations, dim=0) for k, v in cond.items()}
+        captions = [c for c in captions for _ in range(args.num_generations)]
+    return cond, captions
+
+
+def _sum_over_ranks(values, device):
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if is_distributed():
+        torch.distributed.all_reduce(t)
+    return [int(round(x)) for x in t.tolist()]
+
+
+def train_one_step(ctx, policy_update):
+    """One GRPO step: rollout, reward, advantages, policy update. Returns the metrics record."""
+    args = ctx.args
+    t_start = time.time()
+    ctx.optimizer.zero_grad(set_to_none=True)  # upstream's Qwen trainer leaked leftovers into the next step
+    ctx.counter.reset()
+    noise_gen, host_gen = step_generators(ctx, ctx.step)
+    cond, captions = expand_groups(args, next(ctx.loader))
+    cond = {k: v.to(ctx.device) for k, v in cond.items()}
+
+    rollout = sample_reference_model(ctx, cond, captions, noise_gen)
+    all_rewards = gather_tensor(rollout.rewards)
+    advantages = compute_advantages(ctx, rollout.rewards, all_rewards, host_gen)
+    t_rollout = time.time()
+
+    stats, grad_norms, num_train = update_policy(ctx, rollout, cond, advantages, host_gen, policy_update)
+    if ctx.ema is not None and ctx.step >= args.ema_start_step:
+        ctx.ema.update()
+    t_end = time.time()
+
+    counts = ctx.counter.as_dict()
+    summed = _sum_over_ranks([*counts.values(), stats.jagg_groups, stats.exact_groups, len(captions)], ctx.device)
+    record = {
+        "step": ctx.step,
+        "reward_mean": all_rewards.mean().item(),
+        "reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
+        "loss": all_reduce_mean(stats.loss, ctx.device),
+        "grad_norm": sum(grad_norms) / len(grad_norms),
+        "lr": ctx.lr_scheduler.get_last_lr()[0],
+        "step_time_s": t_end - t_start,
+        "rollout_time_s": t_rollout - t_start,
+        "update_time_s": t_end - t_rollout,
+        **dict(zip(counts, summed[:3])),
+        "jagg_groups": summed[3],
+        "exact_groups": summed[4],
+        "samples": summed[5],
+        "train_timesteps": num_train,
+        "optimizer_steps": len(grad_norms),
+        "world_size": ctx.world_size,
+    }
+    for name, scores in getattr(ctx.reward_fn, "last_terms", {}).items():
+        record[f"reward_{name}_mean"] = gather_tensor(scores.to(ctx.device)).mean().item()
+    return record
+
+
+def build_optimizer(args, model):
+    from diffusers.optimization import get_scheduler
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.learning_rate, betas=(0.9, 0.999),
+                                  weight_decay=args.weight_decay, eps=1e-8)
+    scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer, num_warmup_steps=args.lr_warmup_steps,
+                              num_training_steps=1_000_000, num_cycles=args.lr_num_cycles, power=args.lr_power)
+    return optimizer, scheduler
+
+
+def prepare_transformer(args, family, transformer, device, world_size):
+    """FSDP under torchrun (as upstream), plain module otherwise; activation checkpointing if asked."""
+    blocks = family.block_classes(transformer)
+    transformer.train()
+    if world_size > 1:
+        model = wrap_fsdp(transformer, blocks, device, args.fsdp_sharding_startegy, args.use_cpu_offload)
+    else:
+        model = transformer.to(device)
+    if args.gradient_checkpointing and args.selective_checkpointing > 0:
+        apply_activation_checkpointing(model, blocks, args.selective_checkpointing)
+    return model
+
+
+def setup(args, family):
+    """Load models, data and reward; wrap for distributed; restore a checkpoint if asked."""
+    rank, world_size, _, device = init_distributed()
+    if args.allow_tf32 and device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 31)
+    torch.manual_seed(seed + rank)
+    if rank == 0:
+        os.makedirs(args.output_dir, exist_ok=True)
+
+    dataset = PromptEmbeddingDataset(args.data_json_path, family.embedding_fields)
+    reward_fn = WeightedReward(args.reward_terms, device, args)
+    resume = ckpt.resolve_resume_path(args.resume_from_checkpoint, args.output_dir) \
+        if args.resume_from_checkpoint else None
+    raw, vae = family.load(args, device)
+    if resume:
+        ckpt.load_weights_into(raw, resume)
+    model = prepare_transformer(args, family, raw, device, world_size)
+    optimizer, scheduler = build_optimizer(args, model)
+    ema = ParamEMA(model, args.ema_decay) if args.use_ema else None
+
+    start_step = 0
+    if resume:
+        state = ckpt.load_training_state(resume, model, optimizer, scheduler)
+        start_step = state["step"] if state else 0
+        if ema is not None and os.path.isdir(os.path.join(resume, "ema")):
+            ema.load_full_state(model, ckpt.load_folder_state(os.path.join(resume, "ema")))
+
+    sigmas = sigma_schedule(args.sampling_steps, args.shift)
+    loader = infinite_prompt_batches(dataset, args.train_batch_size, rank, world_size,
+                                     args.sampler_seed if args.sampler_seed is not None else seed,
+                                     args.dataloader_num_workers, start_batch=start_step)
+    ctx = TrainContext(args=args, family=family, transformer=model, raw_transformer=raw, vae=vae,
+                       reward_fn=reward_fn, optimizer=optimizer, lr_scheduler=scheduler, loader=loader,
+                       device=device, counter=PassCounter(raw), sigmas=sigmas, timesteps=model_timesteps(sigmas),
+                       rank=rank, world_size=world_size, seed=seed, ema=ema, step=start_step)
+    ctx.extra["resumed_from"] = resume
+    ctx.extra["num_prompts"] = len(dataset)
+    return ctx
+
+
+def save(ctx, step):
+    ema_state = None
+    if ctx.ema is not None:
+        with ctx.ema.swapped_in():
+            ema_state = ckpt.full_model_state(ctx.transformer)
+    return ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.transformer, ctx.raw_transformer.config,
+                                ctx.optimizer, ctx.lr_scheduler, ctx.rank, ema_state=ema_state,
+                                extra_state={"seed": ctx.seed})
+
+
+def describe(ctx):
+    args = ctx.args
+    n_params = sum(p.numel() for p in ctx.raw_transformer.parameters())
+    samples = args.train_batch_size * (args.num_generations if args.use_group else 1)
+    n_train = num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
+    return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s) on {ctx.device} | "
+            f"{samples} samples/rank/step, S={args.sampling_steps}, {n_train} trained transitions/sample, "
+            f"GA={args.gradient_accumulation_steps} | seed {ctx.seed}"
+            + (f" | resumed from {ctx.extra['resumed_from']} at step {ctx.step}" if ctx.extra.get("resumed_from") else ""))
+
+
+def _open_wandb(args, rank):
+    if args.report_to != "wandb" or rank != 0:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("--report_to wandb needs `pip install wandb` (or use --report_to none)") from None
+    return wandb.init(project=f"dancegrpo-{args.family}", config=vars(args))
+
+
+def run(args, family, train_one_step_fn):
+    """The training loop. `train_one_step_fn(ctx) -> record` is the trainer module's
+    own `train_one_step`, looked up at call time so a run-time patch applies."""
+    from tqdm.auto import tqdm
+    ctx = setup(args, family)
+    main = ctx.rank == 0
+    writer = MetricsWriter(args.output_dir, enabled=main, wandb_run=_open_wandb(args, ctx.rank))
+    if main:
+        print(describe(ctx), flush=True)
+    bar = tqdm(total=args.max_train_steps, initial=ctx.step, desc="steps", disable=not main)
+    last_saved = None
+    while ctx.step < args.max_train_steps:
+        ctx.step += 1
+        record = train_one_step_fn(ctx)
+        writer.write(record)
+        bar.update(1)
+        bar.set_postfix(reward=f"{record['reward_mean']:.4f}", loss=f"{record['loss']:.3g}",
+                        s=f"{record['step_time_s']:.2f}")
+        # After the step's update, so checkpoint-N holds N updates (upstream saved before).
+        if ctx.step % args.checkpointing_steps == 0 or ctx.step == args.max_train_steps:
+            last_saved = save(ctx, ctx.step)
+    bar.close()
+    if main:
+        print(f"done: {writer.summary()}" + (f" | checkpoint {last_saved}" if last_saved else ""), flush=True)
+    shutdown()
+    return writer.history
