@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 
+from .errors import ConfigError, MissingFileError
+
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 STATE_NAME = "training_state.pt"
 
@@ -81,10 +83,10 @@ def resolve_resume_path(spec, output_dir):
     if spec == "latest":
         path = latest_checkpoint(output_dir or ".")
         if path is None:
-            raise FileNotFoundError(f"--resume_from_checkpoint latest: no checkpoint-*-* folder in {output_dir!r}")
+            raise MissingFileError(f"--resume_from_checkpoint latest: no checkpoint-*-* folder in {output_dir!r}")
         return path
     if not os.path.isfile(os.path.join(spec, WEIGHTS_NAME)):
-        raise FileNotFoundError(f"--resume_from_checkpoint {spec!r} holds no {WEIGHTS_NAME}; pass a "
+        raise MissingFileError(f"--resume_from_checkpoint {spec!r} holds no {WEIGHTS_NAME}; pass a "
                                 "checkpoint-STEP-EPOCH folder written by this trainer, or 'latest'.")
     return spec
 
@@ -97,7 +99,7 @@ def load_weights_into(raw_model, folder):
     """Load a checkpoint's transformer weights into an unwrapped model (before FSDP)."""
     missing, unexpected = raw_model.load_state_dict(load_folder_state(folder), strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"Checkpoint {folder!r} does not match the model: missing {missing[:5]}, "
+        raise ConfigError(f"Checkpoint {folder!r} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}")
 
 

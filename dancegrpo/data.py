@@ -12,26 +12,27 @@ import os
 import torch
 from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
+from .errors import ConfigError, MissingFileError
 
 
 class PromptEmbeddingDataset(Dataset):
     def __init__(self, json_path, embedding_fields):
         if not json_path:
-            raise FileNotFoundError("--data_json_path is not set. Point it at the JSON written by the "
+            raise MissingFileError("--data_json_path is not set. Point it at the JSON written by the "
                                     "preprocessing script, or use --preset tiny.")
         if not os.path.isfile(json_path):
-            raise FileNotFoundError(f"Prompt data {json_path!r} does not exist. Create it with "
+            raise MissingFileError(f"Prompt data {json_path!r} does not exist. Create it with "
                                     "`python -m dancegrpo.preprocess.<model> ...`, or use --preset tiny.")
         with open(json_path) as f:
             items = json.load(f)
         if not isinstance(items, list) or not items:
-            raise ValueError(f"Prompt data {json_path!r} holds no prompts (expected a non-empty JSON list).")
+            raise ConfigError(f"Prompt data {json_path!r} holds no prompts (expected a non-empty JSON list).")
         self.root = os.path.dirname(os.path.abspath(json_path))
         self.items, self.fields = items, embedding_fields
         for i, item in enumerate(items):
             missing = [field for field, _ in embedding_fields.values() if field not in item]
             if missing or "caption" not in item:
-                raise ValueError(f"Entry {i} of {json_path!r} lacks {missing or ['caption']}")
+                raise ConfigError(f"Entry {i} of {json_path!r} lacks {missing or ['caption']}")
 
     def __len__(self):
         return len(self.items)
@@ -60,7 +61,7 @@ def infinite_prompt_batches(dataset, batch_size, rank, world_size, seed, num_wor
     `start_batch` skips the batches a resumed run already consumed (same order as unbroken).
     """
     if len(dataset) < batch_size * world_size:
-        raise ValueError(f"{len(dataset)} prompts cannot fill a batch of {batch_size} on each of "
+        raise ConfigError(f"{len(dataset)} prompts cannot fill a batch of {batch_size} on each of "
                          f"{world_size} ranks; lower --train_batch_size or add prompts.")
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True, seed=seed,
                                  drop_last=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from .errors import ConfigError
 
 
 def group_advantages(rewards, num_generations, eps=1e-8):
@@ -17,10 +18,10 @@ def group_advantages(rewards, num_generations, eps=1e-8):
     std is the unbiased one, as upstream (torch.std default).
     """
     if rewards.numel() % num_generations:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
+        raise ConfigError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
     groups = rewards.reshape(-1, num_generations)
     if num_generations < 2:
-        raise ValueError("--use_group needs --num_generations >= 2 (a group of 1 has no spread)")
+        raise ConfigError("--use_group needs --num_generations >= 2 (a group of 1 has no spread)")
     adv = (groups - groups.mean(dim=1, keepdim=True)) / (groups.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)
 
@@ -42,10 +43,10 @@ def ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max):
 def num_train_timesteps(num_transitions, timestep_fraction):
     """int((S-1) * fraction) trained transitions per sample, at least one."""
     if not 0.0 < timestep_fraction <= 1.0:
-        raise ValueError(f"--timestep_fraction must be in (0, 1], got {timestep_fraction}")
+        raise ConfigError(f"--timestep_fraction must be in (0, 1], got {timestep_fraction}")
     n = int(num_transitions * timestep_fraction)
     if n < 1:
-        raise ValueError(f"--timestep_fraction {timestep_fraction} trains no transition out of "
+        raise ConfigError(f"--timestep_fraction {timestep_fraction} trains no transition out of "
                          f"{num_transitions}; raise it or --sampling_steps")
     return n
 

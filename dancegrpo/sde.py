@@ -28,6 +28,11 @@ def model_timesteps(sigmas):
     return torch.tensor([int(float(s) * 1000) for s in sigmas[:-1]], dtype=torch.float32) / 1000
 
 
+def at_least_fp32(x):
+    """float32 for half/bf16/fp32 inputs (upstream's log-prob precision); float64 stays float64."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _per_sample(value, like):
     """Broadcast a scalar or per-sample [B] value against a [B, ...] tensor."""
     if not torch.is_tensor(value) or value.ndim == 0:
@@ -70,9 +75,9 @@ def flux_step(model_output, latents, eta, sigmas, index, prev_sample=None, grpo=
 
 
 def gaussian_log_prob(sample, mean, std):
-    """Per-sample mean over elements of log N(sample; mean, std^2), in float32."""
-    std32 = std.float() if torch.is_tensor(std) else std
+    """Per-sample mean over elements of log N(sample; mean, std^2), in float32 (or float64)."""
+    std32 = at_least_fp32(std) if torch.is_tensor(std) else std
     log_std = torch.log(std32) if torch.is_tensor(std32) else math.log(std32)
-    diff = sample.detach().float() - mean.float()
+    diff = at_least_fp32(sample.detach()) - at_least_fp32(mean)
     log_prob = -diff ** 2 / (2 * std32 ** 2) - log_std - 0.5 * math.log(2 * math.pi)
     return log_prob.mean(dim=tuple(range(1, log_prob.ndim)))

@@ -11,6 +11,7 @@ from .models.base import pack_latents, prepare_latent_image_ids, unpack_latents 
 from .models.flux import FluxFamily
 from .sde import flux_step, sd3_time_shift  # noqa: F401
 from .distributed import gather_tensor  # noqa: F401
+from .errors import exit_on_config_error
 from .trainer import grpo_one_step, run_sample_step, sample_reference_model  # noqa: F401
 
 FAMILY = FluxFamily
@@ -30,4 +31,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args(build_parser()))
+    exit_on_config_error(main)(parse_args(build_parser()))

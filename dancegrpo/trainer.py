@@ -23,7 +23,7 @@ from .grpo import (UpdateBatch, UpdateStats, choose_train_steps, global_advantag
                    num_train_timesteps, ppo_clip_loss)
 from .metrics import MetricsWriter, PassCounter
 from .rewards import WeightedReward
-from .sde import flux_step, model_timesteps, sigma_schedule
+from .sde import at_least_fp32, flux_step, model_timesteps, sigma_schedule
 
 
 @dataclass
@@ -90,7 +90,7 @@ def run_sample_step(ctx, z, cond, generator):
     for i in range(ctx.sigmas.numel() - 1):
         t = ctx.timesteps[i].expand(z.shape[0]).to(z.device)
         v = predict_velocity(ctx, z, t, cond)
-        z, x0, log_prob = flux_step(v, z.float(), ctx.args.eta, ctx.sigmas, i, prev_sample=None, grpo=True,
+        z, x0, log_prob = flux_step(v, at_least_fp32(z), ctx.args.eta, ctx.sigmas, i, prev_sample=None, grpo=True,
                                     sde_solver=True, generator=generator)
         all_latents.append(z)
         all_log_probs.append(log_prob)
@@ -127,8 +127,8 @@ def sample_reference_model(ctx, cond, captions, generator):
 
 def transition_log_prob(ctx, v, latents, next_latents, index):
     """log p(next_latents | latents) under the policy whose output is v (upstream's flux_step, grpo=True)."""
-    return flux_step(v, latents.float(), ctx.args.eta, ctx.sigmas, index, prev_sample=next_latents.float(),
-                     grpo=True, sde_solver=True)[2]
+    return flux_step(v, at_least_fp32(latents), ctx.args.eta, ctx.sigmas, index,
+                     prev_sample=at_least_fp32(next_latents), grpo=True, sde_solver=True)[2]
 
 
 def grpo_one_step(ctx, rollout, cond, sample_idx, index):
@@ -168,6 +168,16 @@ def compute_advantages(ctx, rewards, all_rewards, host_gen):
     return adv
 
 
+def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, policy_update):
+    """Backpropagate the samples `sample_idx` in micro-batches of --update_batch_size
+    through the seam; gradients add up in the parameters."""
+    stats = UpdateStats()
+    for start in range(0, len(sample_idx), ctx.args.update_batch_size):
+        idx = sample_idx[start:start + ctx.args.update_batch_size]
+        stats += policy_update(make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser))
+    return stats
+
+
 def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update):
     """Upstream's update cadence around the seam: per sample a random subset of
     transitions, optimizer step after every GA samples (and after a final partial block)."""
@@ -179,11 +189,8 @@ def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update):
     ctx.transformer.train()
     stats, grad_norms = UpdateStats(), []
     for block in range(0, num_samples, args.gradient_accumulation_steps):
-        block_end = min(block + args.gradient_accumulation_steps, num_samples)
-        for start in range(block, block_end, args.update_batch_size):
-            idx = torch.arange(start, min(start + args.update_batch_size, block_end), device=ctx.device)
-            batch = make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
-            stats += policy_update(batch)
+        idx = torch.arange(block, min(block + args.gradient_accumulation_steps, num_samples), device=ctx.device)
+        stats += accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser, policy_update)
         grad_norms.append(clip_grad_norm(ctx.transformer, args.max_grad_norm))
         ctx.optimizer.step()
         ctx.lr_scheduler.step()

@@ -4,6 +4,7 @@ import os
 import numpy as np
 import torch
 from PIL import Image
+from ..errors import MissingFileError
 
 
 def pack_latents(latents, batch_size, num_channels_latents, height, width):
@@ -41,11 +42,11 @@ def latents_to_pil(images):
 def require_model_folder(path, subfolders, preset_hint):
     """Fail early, naming the fix, when the diffusers model folder is not there."""
     if not path:
-        raise FileNotFoundError("--pretrained_model_name_or_path is not set. Point it at a local diffusers "
+        raise MissingFileError("--pretrained_model_name_or_path is not set. Point it at a local diffusers "
                                 f"model folder, or run the embedded default with {preset_hint}.")
     missing = [s for s in subfolders if not os.path.isfile(os.path.join(path, s, "config.json"))]
     if missing:
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"Model folder {path!r} lacks {', '.join(s + '/config.json' for s in missing)}. Download the "
             f"weights there (e.g. `huggingface-cli download <repo> --local-dir {path}`), or run the embedded "
             f"default with {preset_hint}.")

@@ -8,6 +8,7 @@ import importlib
 import math
 
 import torch
+from ..errors import ConfigError
 
 _FACTORIES = {}
 _LAZY = {
@@ -35,7 +36,7 @@ def _factory(name):
     if name in _LAZY:
         module, attr = _LAZY[name].split(":")
         return getattr(importlib.import_module(module), attr)
-    raise ValueError(f"Unknown reward {name!r}. Available: {', '.join(available_rewards())}")
+    raise ConfigError(f"Unknown reward {name!r}. Available: {', '.join(available_rewards())}")
 
 
 def parse_reward_spec(spec):
@@ -46,22 +47,23 @@ def parse_reward_spec(spec):
         try:
             w = float(weight) if weight else 1.0
         except ValueError:
-            raise ValueError(f"Bad reward weight in {part!r}; use name=weight, e.g. hpsv2=1.0") from None
+            raise ConfigError(f"Bad reward weight in {part!r}; use name=weight, e.g. hpsv2=1.0") from None
         terms.append((name.strip(), w))
     if not terms:
-        raise ValueError("No reward given: pass --reward NAME[=WEIGHT],... "
+        raise ConfigError("No reward given: pass --reward NAME[=WEIGHT],... "
                          f"(available: {', '.join(available_rewards())})")
     names = [n for n, _ in terms]
     if len(set(names)) != len(names):
-        raise ValueError(f"Reward named twice in {spec!r}")
+        raise ConfigError(f"Reward named twice in {spec!r}")
     for name in names:
         if name not in available_rewards():
-            raise ValueError(f"Unknown reward {name!r}. Available: {', '.join(available_rewards())}")
+            raise ConfigError(f"Unknown reward {name!r}. Available: {', '.join(available_rewards())}")
     return terms
 
 
-class RewardNotFiniteError(RuntimeError):
-    """A reward model returned NaN/inf: stopping before it reaches the update."""
+class RewardNotFiniteError(ConfigError):
+    """A reward model returned NaN/inf: the step stops before it reaches the update
+    (a user-facing error: it points at the reward model's weights or inputs)."""
 
 
 class WeightedReward:
@@ -106,7 +108,7 @@ def resolve_reward_spec(args):
         if getattr(args, flag, False) and name not in {n for n, _ in terms}:
             terms.append((name, 1.0))
     if not terms:
-        raise ValueError("No reward chosen: pass --reward NAME[=WEIGHT],... or --use_hpsv2 / --use_pickscore "
+        raise ConfigError("No reward chosen: pass --reward NAME[=WEIGHT],... or --use_hpsv2 / --use_pickscore "
                          f"(available: {', '.join(available_rewards())}).")
     return terms
 
