@@ -68,7 +68,9 @@ def wrap_fsdp(transformer, block_classes, device, sharding="full", cpu_offload=F
         raise ValueError(f"--fsdp_sharding_startegy {sharding!r}: choose one of {SHARDING_STRATEGIES}")
     return FSDP(transformer, auto_wrap_policy=ModuleWrapPolicy(set(block_classes)),
                 sharding_strategy=strategy[sharding], cpu_offload=CPUOffload(offload_params=cpu_offload),
-                device_id=device, sync_module_states=True, limit_all_gathers=True)
+                device_id=device, limit_all_gathers=True, use_orig_params=True,
+                # Every rank loads the same weights; the broadcast check exists only for GPU modules.
+                sync_module_states=device.type == "cuda")
 
 
 def selected_blocks(model, block_classes, fraction):

@@ -300,6 +300,7 @@ def setup(args, family):
     raw, vae = family.load(args, device)
     if resume:
         ckpt.load_weights_into(raw, resume)
+    num_params = sum(p.numel() for p in raw.parameters())  # before FSDP shards them
     model = prepare_transformer(args, family, raw, device, world_size)
     optimizer, scheduler = build_optimizer(args, model)
     ema = ParamEMA(model, args.ema_decay) if args.use_ema else None
@@ -321,6 +322,7 @@ def setup(args, family):
                        rank=rank, world_size=world_size, seed=seed, ema=ema, step=start_step)
     ctx.extra["resumed_from"] = resume
     ctx.extra["num_prompts"] = len(dataset)
+    ctx.extra["num_params"] = num_params
     return ctx
 
 
@@ -336,7 +338,7 @@ def save(ctx, step):
 
 def describe(ctx):
     args = ctx.args
-    n_params = sum(p.numel() for p in ctx.raw_transformer.parameters())
+    n_params = ctx.extra["num_params"]
     samples = args.train_batch_size * (args.num_generations if args.use_group else 1)
     n_train = num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
     return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s) on {ctx.device} | "

@@ -1,0 +1,76 @@
+"""Run under `torchrun --nproc_per_node=2`: the FSDP gradient of the policy update over
+two ranks' halves of a batch must equal the single-process gradient over the whole batch.
+
+Usage: torchrun --nproc_per_node=2 tests/dist/fsdp_grad_check.py CACHE_DIR OUT_JSON [trainer flags]
+"""
+import dataclasses
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+from dancegrpo import train_grpo_flux, trainer
+from dancegrpo.args import parse_args
+from dancegrpo.data import PromptEmbeddingDataset, collate_prompts
+from dancegrpo.grpo import choose_train_steps
+
+
+def same_data_on_every_rank(ctx, ref_model, num_prompts):
+    """A batch built from seeds only, so both ranks hold identical copies."""
+    args = ctx.args
+    ds = PromptEmbeddingDataset(args.data_json_path, ctx.family.embedding_fields)
+    cond, _ = trainer.expand_groups(args, collate_prompts([ds[i] for i in range(num_prompts)]))
+    g = torch.Generator().manual_seed(0)
+    n, S = next(iter(cond.values())).shape[0], args.sampling_steps
+    latents = torch.randn(n, S + 1, 16, 64, generator=g)
+    ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
+    with torch.no_grad():
+        log_probs = torch.stack([trainer.transition_log_prob(
+            ref_ctx, trainer.predict_velocity(ref_ctx, latents[:, k], ctx.timesteps[k].expand(n), cond),
+            latents[:, k], latents[:, k + 1], k) for k in range(S)], dim=1)
+    log_probs += 0.05 * torch.randn(n, S, generator=g)
+    adv = 2 * torch.randn(n, generator=g)
+    num_train = int((S - 1) * args.timestep_fraction)
+    steps = choose_train_steps(n, S - 1, num_train, torch.Generator().manual_seed(1))
+    return cond, trainer.Rollout(latents, log_probs, [], torch.zeros(n)), adv, steps, num_train
+
+
+def main(cache_dir, out_json, flags):
+    args = parse_args(train_grpo_flux.build_parser(),
+                      ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out_json + ".d", *flags])
+    ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
+    assert isinstance(ctx.transformer, FSDP), "expected FSDP under torchrun"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_model, _ = ctx.family.load(args, ctx.device)   # same weights, unwrapped
+    cond, rollout, adv, steps, num_train = same_data_on_every_rank(ctx, ref_model, num_prompts=2)
+    normaliser = args.gradient_accumulation_steps * num_train
+    update = train_grpo_flux.policy_update  # resolved like train_one_step does: a patch applies here too
+
+    n = adv.numel()
+    mine = torch.arange(rank * n // world, (rank + 1) * n // world)
+    ctx.transformer.train()
+    trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update)
+    with FSDP.summon_full_params(ctx.transformer, with_grads=True):
+        fsdp_grads = {k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""):
+                      p.grad.detach().clone() * world  # FSDP averages over ranks
+                      for k, p in ctx.transformer.named_parameters()}
+
+    ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
+    ref_model.train()
+    trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser, update)
+    ref = {k: p.grad for k, p in ref_model.named_parameters()}
+    assert set(ref) == set(fsdp_grads), sorted(set(ref) ^ set(fsdp_grads))[:4]
+    num = sum(((fsdp_grads[k] - ref[k]) ** 2).sum() for k in ref).sqrt().item()
+    den = sum((ref[k] ** 2).sum() for k in ref).sqrt().item()
+    counts = ctx.counter.as_dict()
+    if rank == 0:
+        with open(out_json, "w") as f:
+            json.dump({"rel_err": num / den, "ref_norm": den, "world_size": world, **counts}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -1,0 +1,111 @@
+"""The tiny preset end to end: metrics, counts, checkpoints, resume, bad input."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dancegrpo import train_grpo_flux
+from dancegrpo.errors import ConfigError, MissingFileError
+
+from conftest import FAST
+
+KEYS = ["step", "reward_mean", "reward_std", "loss", "grad_norm", "lr", "step_time_s", "rollout_time_s",
+        "update_time_s", "transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards"]
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_tiny_preset_end_to_end(make_args):
+    args = make_args(*FAST, "--max_train_steps", 2, "--checkpointing_steps", 1)
+    train_grpo_flux.main(args)
+    records = read_metrics(args.output_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    samples, S, n_train = 8, args.sampling_steps, 4   # int((8 - 1) * 0.6) = 4
+    for r in records:
+        for key in KEYS:
+            assert key in r and math.isfinite(r[key]), key
+        assert r["samples"] == samples
+        assert r["transformer_forwards_nograd"] == samples * S          # the rollout
+        assert r["transformer_forwards_grad"] == samples * n_train       # one per trained transition
+        assert r["transformer_backwards"] == samples * n_train
+        assert r["optimizer_steps"] == 1
+    with open(os.path.join(args.output_dir, "reward.txt")) as f:
+        assert [float(x) for x in f.read().split()] == pytest.approx([r["reward_mean"] for r in records])
+    # Checkpoints are diffusers drop-ins written after the step's update.
+    from diffusers import FluxTransformer2DModel
+    c1, c2 = (os.path.join(args.output_dir, f"checkpoint-{s}-0") for s in (1, 2))
+    model = FluxTransformer2DModel.from_pretrained(c2)
+    w0 = load_file(os.path.join(args.pretrained_model_name_or_path, "transformer",
+                                "diffusion_pytorch_model.safetensors"))
+    w1, w2 = (load_file(os.path.join(c, "diffusion_pytorch_model.safetensors")) for c in (c1, c2))
+    assert set(w2) == set(model.state_dict()) == set(w0)
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)  # checkpoint-1 holds one update
+    assert any(not torch.equal(w1[k], w2[k]) for k in w0)
+    assert not any(name.endswith(".tmp") for name in os.listdir(args.output_dir))
+
+
+def test_resume_continues_exactly(make_args, tmp_path):
+    straight = make_args(*FAST, "--max_train_steps", 3, "--output_dir", tmp_path / "a")
+    train_grpo_flux.main(straight)
+    first = make_args(*FAST, "--max_train_steps", 2, "--output_dir", tmp_path / "b")
+    train_grpo_flux.main(first)
+    resumed = make_args(*FAST, "--max_train_steps", 3, "--output_dir", tmp_path / "b",
+                        "--resume_from_checkpoint", "latest")
+    train_grpo_flux.main(resumed)
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    assert b[2]["reward_mean"] == pytest.approx(a[2]["reward_mean"], abs=1e-6)
+    wa = load_file(str(tmp_path / "a" / "checkpoint-3-0" / "diffusion_pytorch_model.safetensors"))
+    wb = load_file(str(tmp_path / "b" / "checkpoint-3-0" / "diffusion_pytorch_model.safetensors"))
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-6) for k in wa)
+
+
+def test_missing_model_folder_is_a_clear_error(make_args, tmp_path):
+    args = make_args("--pretrained_model_name_or_path", tmp_path / "nowhere")
+    with pytest.raises(MissingFileError, match="--preset tiny"):
+        train_grpo_flux.main(args)
+
+
+def test_empty_prompt_list_is_a_clear_error(make_args, tmp_path):
+    empty = tmp_path / "prompts.json"
+    empty.write_text("[]")
+    with pytest.raises(ConfigError, match="holds no prompts"):
+        train_grpo_flux.main(make_args("--data_json_path", empty))
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--reward", "nope"], "Unknown reward 'nope'"),
+    (["--timestep_fraction", "0"], "timestep_fraction"),
+    (["--timestep_fraction", "1.5"], "timestep_fraction"),
+    (["--eta", "0"], "--eta must be > 0"),
+])
+def test_bad_flags_exit_with_message(make_args, capsys, flags, message):
+    with pytest.raises(SystemExit) as exc:
+        make_args(*flags)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_exit_code_and_message_for_missing_weights(tmp_path, cache_dir):
+    proc = subprocess.run([sys.executable, "-m", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir",
+                           cache_dir, "--output_dir", str(tmp_path / "o"), "--pretrained_model_name_or_path",
+                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "lacks transformer/config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_nan_reward_stops_before_the_update(make_args, monkeypatch):
+    from dancegrpo.rewards import RewardNotFiniteError, builtin
+    monkeypatch.setattr(builtin, "jpeg_kilobytes", lambda im, quality=95: float("nan"))
+    args = make_args(*FAST, "--max_train_steps", 1)
+    with pytest.raises(RewardNotFiniteError, match="NaN/inf"):
+        train_grpo_flux.main(args)
+    assert not os.path.exists(os.path.join(args.output_dir, "checkpoint-1-0"))
