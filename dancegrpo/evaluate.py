@@ -27,6 +27,7 @@ metric), <label>/summary.json, <label>/grid.png (rows = prompts, columns = image
 table.md / comparison.json over all checkpoints; the markdown table is also printed.
 """
 import argparse
+import contextlib
 import csv
 import importlib
 import json
@@ -249,7 +250,6 @@ def sample_seed(seed, prompt_index, image_index):
 def autocast(device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
     return contextlib.nullcontext()
 
 

@@ -7,7 +7,8 @@ by 40 to convert). The processor is read from the model folder unless
 from ._util import as_device, option
 from .hf_clip import CLIPPairScorer, load_clip
 
-HOW = ("Download a CLIP model with `hf download openai/clip-vit-large-patch14 --local-dir ./clip_ckpt` "
+HOW = ("Download a CLIP model with `hf download openai/clip-vit-large-patch14 --include '*.json' '*.txt' "
+       "model.safetensors --local-dir ./clip_ckpt` "
        "and pass --clipscore_model_path.")
 SCALE = 100.0
 
