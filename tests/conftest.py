@@ -1,8 +1,13 @@
+import json
 import os
+import sys
 
 import pytest
+import torch
 
 from dancegrpo.args import parse_args
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # test helper modules
 
 
 def pytest_configure(config):
@@ -31,3 +36,27 @@ def make_args(cache_dir, tmp_path):
 # Small, fast geometry on the tiny models: 2 prompts x 4 generations, one optimizer step.
 FAST = ["--train_batch_size", 2, "--num_generations", 4, "--gradient_accumulation_steps", 8,
         "--sample_batch_size", 8, "--update_batch_size", 4]
+
+
+@pytest.fixture(scope="session")
+def tiny_hps(tmp_path_factory):
+    """(ckpt_dir holding HPS_v2.1_compressed.pt, path of the open_clip config JSON)."""
+    import open_clip
+    from tiny_models import TINY_OPEN_CLIP
+    root = tmp_path_factory.mktemp("hps")
+    config = root / "tiny-hps-clip.json"
+    config.write_text(json.dumps(TINY_OPEN_CLIP))
+    open_clip.add_model_config(str(config))
+    torch.manual_seed(0)
+    model = open_clip.create_model("tiny-hps-clip", pretrained=None)
+    ckpt = root / "hps_ckpt"
+    ckpt.mkdir()
+    torch.save({"state_dict": model.state_dict()}, ckpt / "HPS_v2.1_compressed.pt")
+    return str(ckpt), str(config)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_clip(tmp_path_factory):
+    from tiny_models import build_tiny_hf_clip
+    root = tmp_path_factory.mktemp("hfclip")
+    return build_tiny_hf_clip(str(root), with_processor_in_model=True)

@@ -98,6 +98,21 @@ def add_reward_args(parser):
     g.add_argument("--reward", type=str, default=None,
                    help="Weighted rewards, e.g. 'hpsv2=1.0,pickscore=0.5'. Available: "
                         + ", ".join(available_rewards()) + ". --use_hpsv2/--use_pickscore map onto this.")
+    g.add_argument("--hps_ckpt_dir", type=str, default="./hps_ckpt",
+                   help="hpsv2 reward: folder holding HPS_v2.1_compressed.pt (hf download xswu/HPSv2). "
+                        "open_clip_pytorch_model.bin may sit there too but is not needed: the HPS state dict "
+                        "holds every weight.")
+    g.add_argument("--hps_arch", type=str, default="ViT-H-14",
+                   help="hpsv2 reward: open_clip architecture name, or a path to an open_clip model-config JSON.")
+    g.add_argument("--pickscore_processor_path", type=str, default="./pickscore_ckpt/processor",
+                   help="pickscore reward: local CLIP processor folder (laion/CLIP-ViT-H-14-laion2B-s32B-b79K).")
+    g.add_argument("--pickscore_model_path", type=str, default="./pickscore_ckpt/model",
+                   help="pickscore reward: local model folder (yuvalkirstain/PickScore_v1).")
+    g.add_argument("--clipscore_model_path", type=str, default="./clip_ckpt",
+                   help="clipscore reward: local transformers CLIP folder (e.g. openai/clip-vit-large-patch14); "
+                        "score = 100 * max(cos, 0).")
+    g.add_argument("--clipscore_processor_path", type=str, default=None,
+                   help="clipscore reward: processor folder if it differs from --clipscore_model_path.")
     return g
 
 

@@ -1,0 +1,118 @@
+"""python -m dancegrpo.evaluate on the tiny preset: outputs, determinism, checkpoints, bad input."""
+import csv
+import json
+import os
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dancegrpo import evaluate
+from dancegrpo.checkpoint import write_transformer_folder
+
+
+def _run(cache_dir, out, *extra):
+    return evaluate.main(["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", str(out), "--device", "cpu",
+                          *extra])
+
+
+def _csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_evaluate_preset_writes_csv_json_grid_table_and_repeats(cache_dir, tiny_hf_clip, tmp_path, capsys):
+    _, clip_dir = tiny_hf_clip
+    extra = ["--metrics", "jpeg,clipscore", "--clipscore_model_path", clip_dir, "--max_prompts", "3",
+             "--num_images_per_prompt", "2", "--batch_size", "4"]
+    _run(cache_dir, tmp_path / "a", *extra)
+    printed = capsys.readouterr().out
+    out = tmp_path / "a" / "preset-tiny"
+    rows = _csv(out / "scores.csv")
+    assert len(rows) == 6 and list(rows[0]) == ["prompt_index", "image_index", "seed", "prompt", "jpeg", "clipscore"]
+    assert all(np.isfinite(float(r["clipscore"])) and float(r["clipscore"]) >= 0 for r in rows)
+    summary = json.load(open(out / "summary.json"))
+    assert summary["num_images"] == 6 and summary["sampler"] == "ode" and set(summary["metrics"]) == {"jpeg", "clipscore"}
+    assert summary["metrics"]["jpeg"]["mean"] == pytest.approx(np.mean([float(r["jpeg"]) for r in rows]))
+    grid = Image.open(out / "grid.png")
+    assert grid.size == (2 * 64, 3 * 64)
+    table = (tmp_path / "a" / "table.md").read_text().splitlines()
+    assert table[0].startswith("| checkpoint | images | jpeg") and table[2].startswith("| preset-tiny | 6 |")
+    assert table[2] in printed
+
+    # Same seed and settings: identical scores and pixels.
+    _run(cache_dir, tmp_path / "b", *extra)
+    out_b = tmp_path / "b" / "preset-tiny"
+    assert _csv(out_b / "scores.csv") == rows
+    assert np.array_equal(np.asarray(Image.open(out_b / "grid.png")), np.asarray(grid))
+    # Other batching: the same per-image noise, so the same images up to float rounding.
+    _run(cache_dir, tmp_path / "c", *extra[:-1], "3")
+    pixels_c = np.asarray(Image.open(tmp_path / "c" / "preset-tiny" / "grid.png")).astype(int)
+    assert np.abs(pixels_c - np.asarray(grid).astype(int)).max() <= 2
+    rows_c = _csv(tmp_path / "c" / "preset-tiny" / "scores.csv")
+    np.testing.assert_allclose([float(r["clipscore"]) for r in rows_c], [float(r["clipscore"]) for r in rows],
+                               atol=0.05)
+
+
+def test_evaluate_compares_checkpoints_and_sde(cache_dir, tmp_path, capsys):
+    from diffusers import FluxTransformer2DModel
+    root = os.path.join(cache_dir, "presets")
+    _run(cache_dir, tmp_path / "warm", "--max_prompts", "1")  # builds the preset
+    preset = os.path.join(root, os.listdir(root)[0])
+    model = FluxTransformer2DModel.from_pretrained(preset, subfolder="transformer")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    write_transformer_folder(str(tmp_path / "checkpoint-1-0"), state, model.config)
+    state["proj_out.weight"] = state["proj_out.weight"] * 3
+    write_transformer_folder(str(tmp_path / "ablation"), state, model.config)
+    capsys.readouterr()
+    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2", "--checkpoint", f"vanilla={preset}",
+         "--checkpoint", str(tmp_path / "checkpoint-1-0"), "--checkpoint", f"ablation={tmp_path / 'ablation'}")
+    table = (tmp_path / "cmp" / "table.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["vanilla", "checkpoint-1-0", "ablation"]
+    scores = {lab: [r["jpeg"] for r in _csv(tmp_path / "cmp" / lab / "scores.csv")]
+              for lab in ("vanilla", "checkpoint-1-0", "ablation")}
+    assert scores["vanilla"] == scores["checkpoint-1-0"]  # same weights, same seeds -> same images
+    assert scores["ablation"] != scores["vanilla"]
+    assert len(json.load(open(tmp_path / "cmp" / "comparison.json"))) == 3
+
+    _run(cache_dir, tmp_path / "sde", "--max_prompts", "2", "--sde", "--eta", "0.3")
+    sde = _csv(tmp_path / "sde" / "preset-tiny" / "scores.csv")
+    assert [r["jpeg"] for r in sde] != scores["vanilla"]
+    assert json.load(open(tmp_path / "sde" / "preset-tiny" / "summary.json"))["sampler"] == "sde"
+    _run(cache_dir, tmp_path / "sde2", "--max_prompts", "2", "--sde", "--eta", "0.3")
+    assert _csv(tmp_path / "sde2" / "preset-tiny" / "scores.csv") == sde
+
+
+def test_evaluate_prompt_file_selects_by_caption(cache_dir, tmp_path):
+    from dancegrpo.presets import bundled_prompts
+    prompts = bundled_prompts(8)
+    pf = tmp_path / "prompts.txt"
+    pf.write_text(f"\n{prompts[5]}\n\n  {prompts[2]}  \n")
+    _run(cache_dir, tmp_path / "o", "--prompt_file", str(pf))
+    rows = _csv(tmp_path / "o" / "preset-tiny" / "scores.csv")
+    assert [r["prompt"] for r in rows] == [prompts[5], prompts[2]]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("empty", "holds no prompts"),
+    ("unmatched", "have no embedding"),
+    ("bad_checkpoint", "neither a transformer folder"),
+    ("bad_metric", "Unknown reward"),
+    ("missing_clip", "--clipscore_model_path"),
+])
+def test_evaluate_bad_input_names_the_fix(cache_dir, tmp_path, capsys, case, message):
+    extra = []
+    if case in ("empty", "unmatched"):
+        pf = tmp_path / "p.txt"
+        pf.write_text("\n \n" if case == "empty" else "a prompt that was never embedded\n")
+        extra = ["--prompt_file", str(pf)]
+    elif case == "bad_checkpoint":
+        extra = ["--checkpoint", str(tmp_path)]
+    elif case == "bad_metric":
+        extra = ["--metrics", "nope"]
+    else:
+        extra = ["--metrics", "clipscore", "--clipscore_model_path", str(tmp_path / "none")]
+    with pytest.raises(SystemExit) as exc:
+        _run(cache_dir, tmp_path / "o", *extra)
+    assert exc.value.code != 0
+    assert message in capsys.readouterr().err
