@@ -77,7 +77,7 @@ class QwenImageFamily(ModelFamily):
             guidance = torch.full((latents.shape[0],), self.guidance, device=latents.device)
         return transformer(
             hidden_states=latents,
-            encoder_hidden_states=embeds,
+            encoder_hidden_states=embeds.to(latents.dtype),  # preprocessing may have saved bf16
             encoder_hidden_states_mask=mask,
             timestep=timesteps,
             img_shapes=[[(1, lh // 2, lw // 2)]] * latents.shape[0],
