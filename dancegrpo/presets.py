@@ -41,6 +41,28 @@ def write_flux_embeddings(root, prompts, text):
     return items
 
 
+def write_qwenimage_embeddings(root, prompts, text):
+    """Fixed random Qwen-like embeddings zero-padded to text["tokens"], with a mask [T] (1 = real
+    token) and the true length in the JSON, as upstream's Qwen preprocessing writes them. True
+    lengths vary between text["min_tokens"] and text["tokens"] so padding is exercised."""
+    items = []
+    for sub in ("prompt_embed", "prompt_attention_mask"):
+        os.makedirs(os.path.join(root, sub), exist_ok=True)
+    span = text["tokens"] - text["min_tokens"] + 1
+    for i, prompt in enumerate(prompts):
+        name = f"{i:05d}.pt"
+        length = text["min_tokens"] + (i * 5) % span
+        embeds = torch.zeros(text["tokens"], text["dim"])
+        embeds[:length] = _randn((length, text["dim"]), 3000 + i)
+        mask = torch.zeros(text["tokens"], dtype=torch.long)
+        mask[:length] = 1
+        torch.save(embeds, os.path.join(root, "prompt_embed", name))
+        torch.save(mask, os.path.join(root, "prompt_attention_mask", name))
+        items.append({"caption": prompt, "prompt_embed_path": name, "prompt_attention_mask": name,
+                      "original_length": length})
+    return items
+
+
 _FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
                  up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 32, 32),
                  layers_per_block=1, latent_channels=16, norm_num_groups=8, scaling_factor=0.3611,
@@ -48,6 +70,9 @@ _FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBl
 
 # Defaults shared by the tiny presets: the recipe measured to learn on 2 CPU cores
 # (../shared/ENVIRONMENT.md): 8 prompts x 16 generations, ONE optimizer step per training step.
+_QWEN_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
+                 temperal_downsample=[False, True, True])
+
 _TINY_DEFAULTS = dict(h=64, w=64, sampling_steps=8, shift=3.0, eta=0.3, train_batch_size=8,
                       num_generations=16, use_group=True, init_same_noise=True, timestep_fraction=0.6,
                       learning_rate=1e-2, weight_decay=1e-4, max_grad_norm=1.0, gradient_accumulation_steps=128,
@@ -79,6 +104,20 @@ PRESETS = {
         vae=("AutoencoderKL", _FLUX_VAE),
         text=dict(tokens=32, dim=128, pooled_dim=64),
         num_prompts=16, write_embeddings=write_flux_embeddings, defaults=_SMALL_DEFAULTS),
+    ("qwenimage", "tiny"): dict(
+        transformer=("QwenImageTransformer2DModel", dict(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8))),
+        vae=("AutoencoderKLQwenImage", _QWEN_VAE),
+        text=dict(tokens=16, min_tokens=8, dim=32),
+        num_prompts=8, write_embeddings=write_qwenimage_embeddings, defaults=_TINY_DEFAULTS),
+    ("qwenimage", "small"): dict(
+        transformer=("QwenImageTransformer2DModel", dict(
+            patch_size=2, in_channels=64, out_channels=16, num_layers=4, attention_head_dim=64,
+            num_attention_heads=6, joint_attention_dim=128, axes_dims_rope=(16, 24, 24))),
+        vae=("AutoencoderKLQwenImage", _QWEN_VAE),
+        text=dict(tokens=48, min_tokens=16, dim=128),
+        num_prompts=16, write_embeddings=write_qwenimage_embeddings, defaults=_SMALL_DEFAULTS),
 }
 
 

@@ -60,3 +60,9 @@ def tiny_hf_clip(tmp_path_factory):
     from tiny_models import build_tiny_hf_clip
     root = tmp_path_factory.mktemp("hfclip")
     return build_tiny_hf_clip(str(root), with_processor_in_model=True)
+
+
+@pytest.fixture(scope="session")
+def preset_cache(cache_dir):
+    """Alias used by the Qwen-Image and preprocessing tests."""
+    return cache_dir
