@@ -8,11 +8,14 @@ import importlib
 import inspect
 
 # (module attribute, its expected parameter names). `policy_update` is replaced at
-# run time; `build_parser` and `main` are what the launcher calls.
+# run time; `build_parser` and `main` are what the launcher calls; `train_one_step` and
+# `FAMILY` (the model family class) are what the diagnostics drive.
 SEAMS = (
     ("policy_update", ("batch",)),
     ("build_parser", ()),
     ("main", ("args",)),
+    ("train_one_step", ("ctx",)),
+    ("FAMILY", ("args",)),
 )
 # Fields of the seam's argument / result that the JAGG update reads or fills.
 UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps")

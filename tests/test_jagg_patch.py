@@ -54,7 +54,8 @@ def test_every_trainer_has_the_seams():
 
 def test_check_seams_names_a_moved_or_changed_seam():
     fake = types.ModuleType("fake_trainer")
-    fake.build_parser, fake.main = (lambda: None), (lambda args: None)
+    fake.build_parser, fake.main, fake.train_one_step = (lambda: None), (lambda args: None), (lambda ctx: None)
+    fake.FAMILY = type("Family", (), {"__init__": lambda self, args: None})
     with pytest.raises(SeamError, match="policy_update"):
         check_seams(fake)
     fake.policy_update = lambda batch, window: None
@@ -62,6 +63,9 @@ def test_check_seams_names_a_moved_or_changed_seam():
         check_seams(fake)
     fake.policy_update = lambda batch: None
     check_seams(fake)
+    del fake.main
+    with pytest.raises(SeamError, match="main"):
+        check_seams(fake)
 
 
 # ---------------------------------------------------------------- apply / revert
