@@ -66,11 +66,25 @@ def wrap_fsdp(transformer, block_classes, device, sharding="full", cpu_offload=F
                 "hybrid_zero2": ShardingStrategy._HYBRID_SHARD_ZERO2, "none": ShardingStrategy.NO_SHARD}
     if sharding not in strategy:
         raise ValueError(f"--fsdp_sharding_startegy {sharding!r}: choose one of {SHARDING_STRATEGIES}")
+    # FSDP1 (torch 2.14) refuses sync_module_states for CPU tensors even with device_id=cpu,
+    # so on CPU the same rank-0 broadcast is done here before wrapping.
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
+        broadcast_module_states(transformer)
     return FSDP(transformer, auto_wrap_policy=ModuleWrapPolicy(set(block_classes)),
                 sharding_strategy=strategy[sharding], cpu_offload=CPUOffload(offload_params=cpu_offload),
-                device_id=device, limit_all_gathers=True, use_orig_params=True,
-                # Every rank loads the same weights; the broadcast check exists only for GPU modules.
-                sync_module_states=device.type == "cuda")
+                device_id=device, sync_module_states=not on_cpu, limit_all_gathers=True,
+                # Original parameters stay visible: summon_full_params(with_grads=True) needs them.
+                use_orig_params=True)
+
+
+def broadcast_module_states(module, src=0):
+    """Every rank gets rank `src`'s parameters and buffers (what FSDP's sync_module_states does)."""
+    if not is_distributed():
+        return
+    with torch.no_grad():
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=src)
 
 
 def selected_blocks(model, block_classes, fraction):

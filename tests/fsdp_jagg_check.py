@@ -1,0 +1,117 @@
+"""Run under `torchrun --nproc_per_node=2`: the JAGG gradient of FSDP1-wrapped tiny Flux
+(gloo, CPU) must equal the single-process JAGG gradient for the same data, with ONE
+autograd.backward call per JAGG group. Rank 0 prints FSDP_JAGG_OK or exits non-zero."""
+import copy
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+
+from dancegrpo.distributed import apply_activation_checkpointing, wrap_fsdp
+from dancegrpo.models.flux import FluxFamily
+from dancegrpo.sde import flux_step, model_timesteps, sigma_schedule
+from dancegrpo.grpo import ppo_clip_loss
+from jagg_patch import jagg_group_backward, plan_groups
+
+M, W, N_TRAIN = 2, 4, 6                      # samples per rank, window, trained transitions per sample
+SIGMAS = sigma_schedule(8, 3.0)
+TIMESTEPS = model_timesteps(SIGMAS)
+
+
+def tiny_flux():
+    from diffusers import FluxTransformer2DModel
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=1, num_single_layers=1,
+                                  attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                  pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(4, 4, 8))
+
+
+def rank_data(rank):
+    g = torch.Generator().manual_seed(100 + rank)
+    steps = torch.stack([torch.randperm(7, generator=g)[:N_TRAIN].sort().values for _ in range(M)])
+    return dict(steps=steps,
+                latents=torch.randn(M, 9, 16, 64, generator=g),
+                cond={"encoder_hidden_states": torch.randn(M, 8, 32, generator=g),
+                      "pooled_prompt_embeds": torch.randn(M, 32, generator=g),
+                      "text_ids": torch.zeros(M, 8, 3)},
+                ratio_offsets=torch.randn(M, 8, generator=g) * 0.1,
+                adv=torch.randn(M, generator=g))
+
+
+def accumulate(model, family, data, window=W, frac=0.6):
+    """The patched update's loop: per group, per-sample timesteps [W, m]. Returns backward calls per group."""
+    idx = torch.arange(M)
+    calls = []
+    for group in plan_groups(range(N_TRAIN), window, frac):
+        cols = data["steps"][:, list(group.members)]
+
+        def predict(j):
+            return family.predict(model, data["latents"][idx, cols[:, j]], TIMESTEPS[cols[:, j]], data["cond"])
+
+        def step_loss(j, v):
+            k = cols[:, j]
+            logp = flux_step(v, data["latents"][idx, k], 0.3, SIGMAS, k, prev_sample=data["latents"][idx, k + 1])[2]
+            # old log-prob near the current one, so the ratio is O(1) as in training
+            old = logp.detach() + data["ratio_offsets"][idx, k]
+            return ppo_clip_loss(logp, old, data["adv"], 10.0, 5.0).sum()
+
+        result = jagg_group_backward(predict, step_loss, TIMESTEPS[cols].T, "jagg" if group.jagg else "exact")
+        calls.append((group.jagg, result.backward_calls))
+    return calls
+
+
+def full_fsdp_grads(model):
+    """Unsharded gradients of an FSDP1 model (use_orig_params=False has no summon with_grads):
+    put each local grad shard in its flat parameter, then summon the full parameters."""
+    for p in model.parameters():
+        p.data = p.grad.detach().clone()
+    with type(model).summon_full_params(model):
+        return {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): p.detach().clone()
+                for n, p in model.named_parameters()}
+
+
+def main():
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    family = FluxFamily(types.SimpleNamespace(h=64, w=64, guidance=3.5))
+    failures = []
+    for checkpointing in (False, True):
+        raw = tiny_flux()
+        reference = copy.deepcopy(raw)
+        for r in range(world):                         # single process, every rank's data
+            accumulate(reference, family, rank_data(r))
+        ref = {n: p.grad / world for n, p in reference.named_parameters()}   # FSDP averages over ranks
+
+        blocks = family.block_classes(raw)
+        model = wrap_fsdp(raw, blocks, torch.device("cpu"))
+        if checkpointing:
+            apply_activation_checkpointing(model, blocks, 1.0)
+        backward_calls = []
+        original = torch.autograd.backward
+        torch.autograd.backward = lambda *a, **k: (backward_calls.append(1), original(*a, **k))[1]
+        try:
+            per_group = accumulate(model, family, rank_data(rank))
+        finally:
+            torch.autograd.backward = original
+        got = full_fsdp_grads(model)
+        num = sum(float((got[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
+        den = sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
+        rel = num / den
+        expected_calls = sum(1 if jagg else n for (jagg, n) in per_group)
+        ok = rel < 1e-5 and set(got) == set(ref) and per_group[0] == (True, 1) and len(backward_calls) == expected_calls
+        if rank == 0:
+            print(f"checkpointing={checkpointing} groups={per_group} autograd.backward calls={len(backward_calls)} "
+                  f"rel_err={rel:.2e} params={len(got)}", flush=True)
+        if not ok:
+            failures.append(checkpointing)
+    dist.barrier()  # ~1 in 10 CPU runs aborted in destroy_process_group without it
+    dist.destroy_process_group()
+    if failures:
+        sys.exit(1)
+    if rank == 0:
+        print("FSDP_JAGG_OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
