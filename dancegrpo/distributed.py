@@ -1,4 +1,5 @@
 """Process group, FSDP wrapping and collectives. Works on CPU (gloo) and CUDA (nccl)."""
+import contextlib
 import functools
 import os
 
@@ -110,3 +111,17 @@ def clip_grad_norm(model, max_norm):
         return float(model.clip_grad_norm_(max_norm))
     params = [p for p in model.parameters() if p.grad is not None]
     return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+def clean_param_name(name):
+    """Parameter name without the FSDP / activation-checkpoint wrapper prefixes."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def full_gradients(model):
+    """{name: unsharded gradient} for a plain or FSDP1 model (collective under FSDP)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    ctx = FSDP.summon_full_params(model, with_grads=True) if isinstance(model, FSDP) else contextlib.nullcontext()
+    with ctx:
+        return {clean_param_name(n): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+                for n, p in model.named_parameters()}

@@ -60,7 +60,7 @@ def test_launch_tiny_prints_plan_and_saves_backwards(cache_dir, tmp_path):
 
 
 def test_fsdp_joint_backward_equals_single_process():
-    out = run(torchrun(os.path.join("tests", "fsdp_jagg_check.py")))
+    out = run(torchrun(os.path.join("tests", "dist", "fsdp_jagg_check.py")))
     assert out.returncode == 0 and "FSDP_JAGG_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
 
 

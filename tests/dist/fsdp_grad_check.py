@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from dancegrpo import train_grpo_flux, trainer
 from dancegrpo.args import parse_args
+from dancegrpo.distributed import full_gradients
 from dancegrpo.data import PromptEmbeddingDataset, collate_prompts
 from dancegrpo.grpo import choose_train_steps
 
@@ -52,10 +53,7 @@ def main(cache_dir, out_json, flags):
     mine = torch.arange(rank * n // world, (rank + 1) * n // world)
     ctx.transformer.train()
     trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update)
-    with FSDP.summon_full_params(ctx.transformer, with_grads=True):
-        fsdp_grads = {k.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""):
-                      p.grad.detach().clone() * world  # FSDP averages over ranks
-                      for k, p in ctx.transformer.named_parameters()}
+    fsdp_grads = {k: g * world for k, g in full_gradients(ctx.transformer).items()}  # FSDP averages over ranks
 
     ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
     ref_model.train()

@@ -8,7 +8,7 @@ import types
 import torch
 import torch.distributed as dist
 
-from dancegrpo.distributed import apply_activation_checkpointing, wrap_fsdp
+from dancegrpo.distributed import apply_activation_checkpointing, full_gradients, wrap_fsdp
 from dancegrpo.models.flux import FluxFamily
 from dancegrpo.sde import flux_step, model_timesteps, sigma_schedule
 from dancegrpo.grpo import ppo_clip_loss
@@ -61,16 +61,6 @@ def accumulate(model, family, data, window=W, frac=0.6):
     return calls
 
 
-def full_fsdp_grads(model):
-    """Unsharded gradients of an FSDP1 model (use_orig_params=False has no summon with_grads):
-    put each local grad shard in its flat parameter, then summon the full parameters."""
-    for p in model.parameters():
-        p.data = p.grad.detach().clone()
-    with type(model).summon_full_params(model):
-        return {n.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", ""): p.detach().clone()
-                for n, p in model.named_parameters()}
-
-
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -94,7 +84,7 @@ def main():
             per_group = accumulate(model, family, rank_data(rank))
         finally:
             torch.autograd.backward = original
-        got = full_fsdp_grads(model)
+        got = full_gradients(model)
         num = sum(float((got[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
         den = sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
         rel = num / den
