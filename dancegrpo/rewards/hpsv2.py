@@ -34,7 +34,7 @@ def _open_clip():
     try:
         import open_clip
     except ImportError:
-        raise ImportError("The hpsv2 reward needs open-clip-torch: `pip install -r requirements-rewards.txt` "
+        raise ImportError("The hpsv2 reward needs open-clip-torch: `pip install -r requirements.txt` "
                           "(open-clip-torch==3.3.0).") from None
     return open_clip
 
