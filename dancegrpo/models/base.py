@@ -69,9 +69,27 @@ class ModelFamily:
     def __init__(self, args):
         self.height, self.width = args.h, args.w
 
+    # diffusers classes of the transformer and the VAE, loaded from <folder>/transformer and <folder>/vae.
+    transformer_class_name = ""
+    vae_class_name = ""
+
     def load(self, args, device):
-        """Return (transformer float32, vae) loaded from a local diffusers folder."""
-        raise NotImplementedError
+        """(transformer in float32 = master weights, frozen vae) from a local diffusers folder, as upstream."""
+        import diffusers
+        import torch
+        path = args.pretrained_model_name_or_path
+        require_model_folder(path, ["transformer", "vae"], "--preset tiny")
+        transformer = getattr(diffusers, self.transformer_class_name).from_pretrained(
+            args.dit_model_name_or_path or path, subfolder="transformer", torch_dtype=torch.float32)
+        vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        vae = getattr(diffusers, self.vae_class_name).from_pretrained(
+            args.vae_model_path or path, subfolder="vae", torch_dtype=vae_dtype)
+        return transformer, vae.to(device).eval().requires_grad_(False)
+
+    @property
+    def latent_hw(self):
+        """Latent height and width (before 2x2 packing) of an h x w image."""
+        return self.height // self.vae_scale_factor, self.width // self.vae_scale_factor
 
     def initial_noise(self, n, generator, device):
         """Packed initial latents [n, L, C] drawn with `generator`."""

@@ -1,8 +1,7 @@
 """Flux (FLUX.1-dev): FluxTransformer2DModel + AutoencoderKL, as upstream trains it."""
 import torch
 
-from .base import (ModelFamily, latents_to_pil, pack_latents, prepare_latent_image_ids,
-                   require_model_folder, unpack_latents)
+from .base import ModelFamily, latents_to_pil, pack_latents, prepare_latent_image_ids, unpack_latents
 
 
 class FluxFamily(ModelFamily):
@@ -13,24 +12,12 @@ class FluxFamily(ModelFamily):
         "text_ids": ("text_ids", "text_ids"),
     }
     block_class_names = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
+    transformer_class_name = "FluxTransformer2DModel"
+    vae_class_name = "AutoencoderKL"
 
     def __init__(self, args):
         super().__init__(args)
         self.guidance = getattr(args, "guidance", 3.5)
-
-    def load(self, args, device):
-        from diffusers import AutoencoderKL, FluxTransformer2DModel
-        path = args.pretrained_model_name_or_path
-        require_model_folder(path, ["transformer", "vae"], "--preset tiny")
-        transformer = FluxTransformer2DModel.from_pretrained(
-            args.dit_model_name_or_path or path, subfolder="transformer", torch_dtype=torch.float32)
-        vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        vae = AutoencoderKL.from_pretrained(args.vae_model_path or path, subfolder="vae", torch_dtype=vae_dtype)
-        return transformer, vae.to(device).eval().requires_grad_(False)
-
-    @property
-    def latent_hw(self):
-        return self.height // self.vae_scale_factor, self.width // self.vae_scale_factor
 
     def initial_noise(self, n, generator, device):
         lh, lw = self.latent_hw

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from .base import ModelFamily, latents_to_pil, pack_latents, require_model_folder, unpack_latents
+from .base import ModelFamily, latents_to_pil, pack_latents, unpack_latents
 
 
 class QwenImageFamily(ModelFamily):
@@ -25,26 +25,13 @@ class QwenImageFamily(ModelFamily):
         "encoder_hidden_states_mask": ("prompt_attention_mask", "prompt_attention_mask"),
     }
     block_class_names = ("QwenImageTransformerBlock",)
+    transformer_class_name = "QwenImageTransformer2DModel"
+    vae_class_name = "AutoencoderKLQwenImage"
 
     def __init__(self, args):
         super().__init__(args)
         self.guidance = getattr(args, "guidance", 3.5)
         self._takes_txt_seq_lens = None
-
-    def load(self, args, device):
-        from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
-        path = args.pretrained_model_name_or_path
-        require_model_folder(path, ["transformer", "vae"], "--preset tiny")
-        transformer = QwenImageTransformer2DModel.from_pretrained(
-            args.dit_model_name_or_path or path, subfolder="transformer", torch_dtype=torch.float32)
-        vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        vae = AutoencoderKLQwenImage.from_pretrained(args.vae_model_path or path, subfolder="vae",
-                                                     torch_dtype=vae_dtype)
-        return transformer, vae.to(device).eval().requires_grad_(False)
-
-    @property
-    def latent_hw(self):
-        return self.height // self.vae_scale_factor, self.width // self.vae_scale_factor
 
     def initial_noise(self, n, generator, device):
         lh, lw = self.latent_hw

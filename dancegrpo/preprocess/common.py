@@ -22,6 +22,8 @@ import sys
 
 import torch
 
+from ..distributed import barrier, init_distributed, shutdown
+
 INDEX_NAME = "videos2caption.json"  # upstream's name, which the training scripts point at
 
 
@@ -93,27 +95,6 @@ def resolve_dtype(name, device):
     return getattr(torch, name)
 
 
-def init_distributed():
-    """(rank, world_size, device); joins the torchrun process group when there is one."""
-    import torch.distributed as dist
-    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world_size, device
-
-
-def _barrier():
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
 def run(args, spec):
     """Encode every pending prompt of this rank and write the index.
 
@@ -130,7 +111,7 @@ def run(args, spec):
     spec.check(args)
     if args.batch_size < 1:
         fail("--batch_size must be >= 1")
-    rank, world_size, device = init_distributed()
+    rank, world_size, _, device = init_distributed()
     for _, sub in spec.subfolders.values():
         os.makedirs(os.path.join(args.output_dir, sub), exist_ok=True)
 
@@ -159,7 +140,7 @@ def run(args, spec):
             bar.update(1)
     bar.close()
 
-    _barrier()
+    barrier()
     entries = None
     if rank == 0:
         missing = [prompts[i] for i in range(len(prompts)) if not done(i)]
@@ -174,8 +155,5 @@ def run(args, spec):
         atomic_write_json(entries, os.path.join(args.output_dir, INDEX_NAME))
         print(f"{len(prompts)} prompts -> {os.path.join(args.output_dir, INDEX_NAME)} "
               f"(rank 0 encoded {len(pending)}, found {skipped} already done)", flush=True)
-    _barrier()
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    shutdown()
     return entries
