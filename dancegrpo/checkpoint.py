@@ -33,7 +33,10 @@ def _full_options(model):
 
 def full_model_state(model):
     """Unsharded, prefix-free state dict (collective under FSDP: call on every rank)."""
-    return {k: v.detach().cpu().contiguous() for k, v in get_model_state_dict(model, options=_full_options(model)).items()}
+    # A copy, not a view: on CPU .cpu() would alias the live parameters, and the EMA
+    # checkpoint swaps its values in only while the state is read.
+    state = get_model_state_dict(model, options=_full_options(model))
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
 def write_transformer_folder(folder, state_dict, config):

@@ -109,3 +109,15 @@ def test_nan_reward_stops_before_the_update(make_args, monkeypatch):
     with pytest.raises(RewardNotFiniteError, match="NaN/inf"):
         train_grpo_flux.main(args)
     assert not os.path.exists(os.path.join(args.output_dir, "checkpoint-1-0"))
+
+
+def test_ema_checkpoint_holds_the_moving_average(make_args):
+    args = make_args(*FAST, "--max_train_steps", 1, "--use_ema", "--ema_decay", 0.25)
+    train_grpo_flux.main(args)
+    ckpt = os.path.join(args.output_dir, "checkpoint-1-0")
+    w0 = load_file(os.path.join(args.pretrained_model_name_or_path, "transformer",
+                                "diffusion_pytorch_model.safetensors"))
+    w1 = load_file(os.path.join(ckpt, "diffusion_pytorch_model.safetensors"))
+    ema = load_file(os.path.join(ckpt, "ema", "diffusion_pytorch_model.safetensors"))
+    assert any(not torch.equal(w0[k], w1[k]) for k in w0)
+    assert all(torch.allclose(ema[k], 0.25 * w0[k] + 0.75 * w1[k], atol=1e-6) for k in w0)
