@@ -121,3 +121,14 @@ def test_ema_checkpoint_holds_the_moving_average(make_args):
     ema = load_file(os.path.join(ckpt, "ema", "diffusion_pytorch_model.safetensors"))
     assert any(not torch.equal(w0[k], w1[k]) for k in w0)
     assert all(torch.allclose(ema[k], 0.25 * w0[k] + 0.75 * w1[k], atol=1e-6) for k in w0)
+
+
+def test_resume_restores_the_ema(make_args, tmp_path):
+    ema = ["--use_ema", "--ema_decay", 0.5]
+    train_grpo_flux.main(make_args(*FAST, *ema, "--max_train_steps", 2, "--output_dir", tmp_path / "a"))
+    train_grpo_flux.main(make_args(*FAST, *ema, "--max_train_steps", 1, "--output_dir", tmp_path / "b"))
+    train_grpo_flux.main(make_args(*FAST, *ema, "--max_train_steps", 2, "--output_dir", tmp_path / "b",
+                                   "--resume_from_checkpoint", tmp_path / "b" / "checkpoint-1-0"))
+    ea, eb = (load_file(str(tmp_path / r / "checkpoint-2-0" / "ema" / "diffusion_pytorch_model.safetensors"))
+              for r in "ab")
+    assert all(torch.allclose(ea[k], eb[k], atol=1e-6) for k in ea)
