@@ -78,13 +78,27 @@ def format_table(rows, window):
 
 def run_diagnostics(module, args):
     """Set up the trainer, optionally train a few vanilla steps, then measure one rollout."""
+    ctx = setup_diagnostics(module, args)
+    rows = measure_rollout(ctx, args, ctx.step + 1)
+    ctx.counter.remove()
+    return rows
+
+
+def setup_diagnostics(module, args):
+    """trainer.setup, then --diag_warmup_steps vanilla training steps."""
     from dancegrpo import trainer
-    from dancegrpo.grpo import choose_train_steps, num_train_timesteps
     ctx = trainer.setup(args, module.FAMILY(args))
     for _ in range(args.diag_warmup_steps):
         ctx.step += 1
         module.train_one_step(ctx)
-    noise_gen, host_gen = trainer.step_generators(ctx, ctx.step + 1)
+    return ctx
+
+
+def measure_rollout(ctx, args, step):
+    """The per-group rows for one rollout drawn with the generators of training step `step`."""
+    from dancegrpo import trainer
+    from dancegrpo.grpo import choose_train_steps, num_train_timesteps
+    noise_gen, host_gen = trainer.step_generators(ctx, step)
     cond, captions = trainer.expand_groups(args, next(ctx.loader))
     cond = {k: v.to(ctx.device) for k, v in cond.items()}
     rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen)
@@ -99,7 +113,6 @@ def run_diagnostics(module, args):
         return trainer.make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
 
     groups, grads = group_gradients(ctx, make_batch, steps, args.jagg_window, args.update_batch_size)
-    ctx.counter.remove()
     return similarity_rows(groups, grads, ctx.timesteps, steps.sort(dim=1).values)
 
 

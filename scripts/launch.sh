@@ -12,6 +12,9 @@ JAGG="${JAGG:-0}"
 JAGG_WINDOW="${JAGG_WINDOW:-4}"
 JAGG_FRAC="${JAGG_FRAC:-0.6}"
 JAGG_MODE="${JAGG_MODE:-jagg}"
+# With JAGG=1, the module that takes "TRAINER --jagg_* flags ...": jagg_patch (training), or the
+# benchmarks' jagg_patch.bench_update / jagg_patch.fidelity, which so run with the same recipe.
+JAGG_LAUNCHER="${JAGG_LAUNCHER:-jagg_patch}"
 # Single node by default; e.g. TORCHRUN_ARGS="--nnodes=2 --node_rank=0 --master_addr=H --master_port=29500".
 read -r -a TORCHRUN_EXTRA <<< "${TORCHRUN_ARGS:---standalone}"
 
@@ -48,7 +51,7 @@ MSG
 fi
 
 if [[ "$JAGG" == "1" ]]; then
-  LAUNCH=(-m jagg_patch "$MODULE" --jagg_window "$JAGG_WINDOW" --jagg_frac "$JAGG_FRAC" --jagg_mode "$JAGG_MODE")
+  LAUNCH=(-m "$JAGG_LAUNCHER" "$MODULE" --jagg_window "$JAGG_WINDOW" --jagg_frac "$JAGG_FRAC" --jagg_mode "$JAGG_MODE")
 elif [[ "$JAGG" == "0" ]]; then
   LAUNCH=(-m "$MODULE")
 else

@@ -1,0 +1,64 @@
+"""Smoke test of benchmarks/*.sh at minimal sizes on the tiny preset (not timed): each script runs
+end to end and writes its raw numbers and markdown table."""
+import json
+import os
+import subprocess
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 1 prompt x 2 generations, S = 8 (4 trained transitions: window 4 gives one JAGG group)
+SIZE = ("--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 "
+        "--update_batch_size 2 --h 32 --w 32")
+
+
+def run_script(name, tmp_path, cache_dir, **env):
+    full = dict(os.environ, PRESET="tiny", MODELS="flux", OUT=str(tmp_path / "out"), CACHE_DIR=cache_dir,
+                SIZE_ARGS=SIZE, S_FLUX="8", OMP_NUM_THREADS="1", **env)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", name)], env=full, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, tmp_path / "out"
+
+
+def test_speed_script(tmp_path, cache_dir):
+    text, out = run_script("speed.sh", tmp_path, cache_dir, STEPS="2", BENCH_REPS="1", BENCH_UNIT_REPS="1",
+                           VARIANTS="vanilla jagg")   # the micro-benchmark still runs all four modes
+    assert "# Speed benchmark" in text and "| jagg |" in text and "| endpoints |" in text
+    cmp = json.loads((out / "speed/flux/compare/comparison.json").read_text())
+    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg"]
+    assert all(r["steps"] == 2 for r in cmp["runs"])
+    # one JAGG group of 4 per sample: 2 backwards instead of 4 (2 samples)
+    assert cmp["runs"][0]["backwards_per_step"] == 8 and cmp["runs"][1]["backwards_per_step"] == 4
+    for png in ("reward_curves.png", "step_times.png"):
+        assert (out / "speed/flux/compare" / png).is_file()
+    bench = json.loads((out / "speed/flux/bench_update.json").read_text())
+    assert set(bench["modes"]) == {"vanilla", "jagg", "exact", "endpoints"}
+    assert bench["train_transitions"] == 4 and bench["plan"] == [dict(size=4, jagg=True)]
+    assert "predicted_update_gain" in bench and "Check 1" in (out / "speed/flux/bench_update.md").read_text()
+    assert (out / "speed/speed.md").is_file()
+
+
+def test_fidelity_script(tmp_path, cache_dir):
+    # (window 3 is covered in-process by test_fidelity.py)
+    text, out = run_script("fidelity.sh", tmp_path, cache_dir, WINDOWS="2", ROLLOUTS="2", SAMPLES="2")
+    assert text.count("## Gradient fidelity") == 1
+    for w in (2,):
+        res = json.loads((out / f"fidelity/flux/w{w}/fidelity.json").read_text())
+        assert res["rollouts"] == 2 and res["window"] == w
+        for g in res["groups"]:
+            assert -1.0 <= g["cos_jagg_mean"] <= 1.0
+            if w == 2:
+                assert g["cos_jagg_min"] == pytest.approx(1.0, abs=1e-6)
+        assert (out / f"fidelity/flux/w{w}/fidelity.csv").is_file()
+
+
+def test_quality_script(tmp_path, cache_dir):
+    text, out = run_script("quality.sh", tmp_path, cache_dir, STEPS="2", VARIANTS="vanilla jagg",
+                           EVAL_PROMPTS="2", EVAL_IMAGES="1", SEEDS="7")
+    base = out / "quality/flux/seed7"
+    cmp = json.loads((base / "compare/comparison.json").read_text())
+    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg"]
+    assert (base / "compare/reward_curves.png").is_file()
+    assert (base / "eval/table.md").is_file() and (base / "eval/comparison.json").is_file()
+    assert "evaluation of the step-2 checkpoints" in text and "vanilla" in (base / "eval/table.md").read_text()
