@@ -3,13 +3,11 @@
 Runs a dancegrpo trainer (e.g. dancegrpo.train_grpo_flux) with its policy-update
 seam replaced by JAGG. Works the same under torchrun.
 """
-import importlib
 import os
 import sys
 
-from .cli import add_jagg_args, jagg_plan_text
+from .cli import jagg_plan_text, trainer_cli
 from .patch import apply_jagg
-from .seams import SeamError, check_seams
 
 USAGE = """usage: python -m jagg_patch TRAINER_MODULE [trainer flags] [--jagg_window W] [--jagg_frac F]
                           [--jagg_mode {jagg,endpoints,exact}]
@@ -34,34 +32,11 @@ def _usage():
     return USAGE.replace("TRAINERS", ", ".join(dancegrpo.TRAINERS))
 
 
-def _fail(message):
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)  # argparse's code for a usage error
-
-
-def _load_trainer(name):
-    if name.startswith("-"):
-        _fail(f"the first argument must be a trainer module, got {name!r}\n\n{_usage()}")
-    try:
-        module = importlib.import_module(name)
-    except ImportError as e:
-        _fail(f"cannot import trainer module {name!r}: {e}")
-    try:
-        return check_seams(module)
-    except SeamError as e:
-        _fail(str(e))
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
-        return 0
-    module = _load_trainer(argv[0])
+    module, parser, rest = trainer_cli(argv, "jagg_patch", _usage())
     from dancegrpo.args import parse_args
-    parser = add_jagg_args(module.build_parser())
-    parser.prog = f"python -m jagg_patch {argv[0]}"
-    args = parse_args(parser, argv[1:])
+    args = parse_args(parser, rest)
     apply_jagg(module, window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode)
     if int(os.environ.get("RANK", "0")) == 0:
         print(jagg_plan_text(args), flush=True)

@@ -25,7 +25,6 @@ paper's "gain", e.g. 279 s -> 228 s is 18.3%); the time ratio is given too. Two 
 not asserted: measured update speedup >= 90% of the predicted one, and whole-step speedup >= the
 paper's (18.3% Flux, 17.2% Qwen-Image).
 """
-import importlib
 import json
 import os
 import statistics
@@ -34,10 +33,9 @@ import time
 
 import torch
 
-from .cli import add_jagg_args
+from .cli import trainer_cli
 from .core import plan_groups
 from .patch import make_policy_update
-from .seams import check_seams
 
 PAPER_STEP_GAIN = {"flux": 0.183, "qwenimage": 0.172}
 ALL_MODES = ("vanilla", "jagg", "exact", "endpoints")
@@ -246,18 +244,9 @@ def format_report(r):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-"):
-        print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else sys.exit(2)
-    try:
-        module = check_seams(importlib.import_module(argv[0]))
-    except ImportError as e:
-        print(f"error: cannot import trainer module {argv[0]!r}: {e}", file=sys.stderr)
-        sys.exit(2)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.bench_update", __doc__)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
-    parser = add_jagg_args(module.build_parser())
-    parser.prog = f"python -m jagg_patch.bench_update {argv[0]}"
     g = parser.add_argument_group("benchmark")
     g.add_argument("--bench_reps", type=int, default=3, help="Timed repetitions of each mode (after one warm-up).")
     g.add_argument("--bench_unit_reps", type=int, default=3,
@@ -267,7 +256,7 @@ def main(argv=None):
     g.add_argument("--bench_modes", default=",".join(ALL_MODES), help="Comma list; vanilla is the reference.")
     g.add_argument("--bench_json", default=None, help="Write the raw numbers here (JSON).")
     g.add_argument("--bench_md", default=None, help="Write the report here (markdown).")
-    args = parse_args(parser, argv[1:])
+    args = parse_args(parser, rest)
     result = exit_on_config_error(run_benchmark)(module, args)
     if int(os.environ.get("RANK", "0")) != 0:
         return result

@@ -1,8 +1,43 @@
-"""Command-line pieces shared by the launcher and the diagnostics: the JAGG flags and
-the start-up plan."""
+"""Command-line pieces shared by every `python -m jagg_patch[.tool] TRAINER_MODULE ...`
+entry point: loading the trainer, the JAGG flags, and the start-up plan."""
 import argparse
+import importlib
+import sys
 
 from .core import MODES, describe_plan, plan_groups
+from .seams import SeamError, check_seams
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)  # argparse's code for a usage error
+
+
+def load_trainer(name, usage):
+    """Import a trainer module named on the command line and check the seams JAGG uses."""
+    if name.startswith("-"):
+        fail(f"the first argument must be a trainer module, got {name!r}\n\n{usage}")
+    try:
+        module = importlib.import_module(name)
+    except ImportError as e:
+        fail(f"cannot import trainer module {name!r}: {e}")
+    try:
+        return check_seams(module)
+    except SeamError as e:
+        fail(str(e))
+
+
+def trainer_cli(argv, tool, usage):
+    """`TRAINER_MODULE [flags]` -> (module, the trainer's parser + JAGG flags, the remaining argv).
+
+    Help or no argument prints `usage` (exit 0 for --help, 2 for nothing given)."""
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage)
+        sys.exit(0 if argv else 2)
+    module = load_trainer(argv[0], usage)
+    parser = add_jagg_args(module.build_parser())
+    parser.prog = f"python -m {tool} {argv[0]}"
+    return module, parser, argv[1:]
 
 
 def _window(text):

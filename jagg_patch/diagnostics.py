@@ -8,15 +8,12 @@ gradient of that group summed over N samples is computed three ways: exact per-s
 JAGG and the endpoints ablation. Printed: cosine and relative norm error to exact.
 Use it to choose --jagg_frac: route to JAGG the leading groups whose cosine is high.
 """
-import argparse
-import importlib
 import sys
 
 import torch
 
-from .cli import add_jagg_args
+from .cli import trainer_cli
 from .core import jagg_group_backward, plan_groups
-from .seams import check_seams
 
 MODES = ("exact", "jagg", "endpoints")
 
@@ -118,17 +115,12 @@ def measure_rollout(ctx, args, step):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-"):
-        print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    module = check_seams(importlib.import_module(argv[0]))
+    module, parser, rest = trainer_cli(argv, "jagg_patch.diagnostics", __doc__)
     from dancegrpo.args import parse_args
-    parser = add_jagg_args(module.build_parser())
-    parser.prog = f"python -m jagg_patch.diagnostics {argv[0]}"
     g = parser.add_argument_group("diagnostics")
     g.add_argument("--diag_samples", type=int, default=32, help="Samples of the rollout to measure on.")
     g.add_argument("--diag_warmup_steps", type=int, default=0, help="Vanilla training steps before measuring.")
-    args = parse_args(parser, argv[1:])
+    args = parse_args(parser, rest)
     rows = run_diagnostics(module, args)
     print(format_table(rows, args.jagg_window), flush=True)
     return rows

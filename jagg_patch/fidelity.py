@@ -11,16 +11,14 @@ over the rollouts and prints one row per group: mean, std, min and max of cos(JA
 cos(endpoints, exact). With --fid_out: fidelity.json (per rollout and averaged), fidelity.csv and
 fidelity.md. Window 2 reproduces the exact gradient (cosine 1).
 """
-import importlib
 import json
 import math
 import os
 import statistics
 import sys
 
-from .cli import add_jagg_args
+from .cli import trainer_cli
 from .diagnostics import measure_rollout, setup_diagnostics
-from .seams import check_seams
 
 
 def _stats(values):
@@ -92,26 +90,15 @@ def write_outputs(out_dir, result, markdown):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0].startswith("-"):
-        print(__doc__)
-        if argv and argv[0] in ("-h", "--help"):
-            return 0
-        sys.exit(2)
-    try:
-        module = check_seams(importlib.import_module(argv[0]))
-    except ImportError as e:
-        print(f"error: cannot import trainer module {argv[0]!r}: {e}", file=sys.stderr)
-        sys.exit(2)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.fidelity", __doc__)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
-    parser = add_jagg_args(module.build_parser())
-    parser.prog = f"python -m jagg_patch.fidelity {argv[0]}"
     g = parser.add_argument_group("fidelity")
     g.add_argument("--fid_rollouts", type=int, default=3, help="Rollouts to average over.")
     g.add_argument("--diag_samples", type=int, default=32, help="Samples of each rollout to measure on.")
     g.add_argument("--diag_warmup_steps", type=int, default=0, help="Vanilla training steps before measuring.")
     g.add_argument("--fid_out", default=None, help="Write fidelity.{json,csv,md} here.")
-    args = parse_args(parser, argv[1:])
+    args = parse_args(parser, rest)
     if args.fid_rollouts < 1:
         print("error: --fid_rollouts must be >= 1", file=sys.stderr)
         sys.exit(2)

@@ -1,5 +1,4 @@
 """Tiny reward models built by the tests (same architecture families as the real ones), and helpers."""
-import json
 import os
 import types
 
