@@ -1,0 +1,93 @@
+"""train_flux.sh and train_qwenimage.sh: upstream recipe defaults, vanilla/JAGG switch,
+missing-weights message, tiny preset on CPU."""
+import importlib
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from dancegrpo.args import parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = dict(train_batch_size=2, gradient_accumulation_steps=12, learning_rate=1e-5, h=720, w=720, eta=0.3,
+              num_generations=12, shift=3.0, timestep_fraction=0.6, clip_range=1e-4, adv_clip_max=5.0, seed=42,
+              use_group=True, init_same_noise=True, gradient_checkpointing=True, mixed_precision="bf16",
+              weight_decay=1e-4, lr_warmup_steps=0)
+# Upstream's recipes (../shared/DANCEGRPO.md, the table): Flux 8-GPU, Qwen-Image.
+SCRIPTS = {
+    "flux": ("train_flux.sh", "dancegrpo.train_grpo_flux", "black-forest-labs/FLUX.1-dev",
+             dict(COMMON, sampling_steps=16, checkpointing_steps=40, max_grad_norm=0.01, use_ema=True,
+                  ema_decay=0.995)),
+    "qwenimage": ("train_qwenimage.sh", "dancegrpo.train_grpo_qwenimage", "Qwen/Qwen-Image",
+                  dict(COMMON, sampling_steps=20, checkpointing_steps=60, max_grad_norm=1.0,
+                       selective_checkpointing=0.5, sampler_seed=12627)),
+}
+
+
+@pytest.fixture(params=sorted(SCRIPTS))
+def script(request):
+    return SCRIPTS[request.param]
+
+
+def run_sh(script, env, *extra, stub=None, timeout=300):
+    full = {**os.environ, **env}
+    if stub:  # a fake `torchrun` that records its arguments
+        full["PATH"] = f"{stub}:{full['PATH']}"
+    return subprocess.run(["bash", os.path.join(ROOT, script[0]), *extra], cwd=ROOT, env=full,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def make_stub(tmp_path):
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    (stub / "torchrun").write_text('#!/usr/bin/env bash\nprintf "%q " "$@" > "$TORCHRUN_LOG"\n')
+    (stub / "torchrun").chmod(0o755)
+    return str(stub)
+
+
+def fake_weights(tmp_path):
+    model = tmp_path / "qwen"
+    for sub in ("transformer", "vae"):
+        (model / sub).mkdir(parents=True)
+        (model / sub / "config.json").write_text("{}")
+    data = tmp_path / "emb" / "videos2caption.json"
+    data.parent.mkdir()
+    data.write_text("[]")
+    return str(model), str(data)
+
+
+def test_missing_weights_message(script, tmp_path):
+    res = run_sh(script, {"MODEL_PATH": str(tmp_path / "nowhere")}, stub=make_stub(tmp_path))
+    assert res.returncode != 0
+    assert f"huggingface-cli download {script[2]}" in res.stderr and "transformer/" in res.stderr
+    assert "PRESET=tiny bash" in res.stderr
+
+
+def test_recipe_defaults_vanilla_and_jagg(script, tmp_path):
+    model, data = fake_weights(tmp_path)
+    stub, log = make_stub(tmp_path), str(tmp_path / "argv")
+    env = {"MODEL_PATH": model, "DATA_JSON": data, "OUTPUT_DIR": str(tmp_path / "out"), "TORCHRUN_LOG": log}
+    module = script[1]
+    assert run_sh(script, env, "--max_train_steps", "7", stub=stub).returncode == 0
+    argv = shlex.split(open(log).read())
+    assert argv[:4] == ["--standalone", "--nproc_per_node=8", "-m", module]
+    args = parse_args(importlib.import_module(module).build_parser(), argv[4:])
+    expected = dict(script[3], max_train_steps=7, pretrained_model_name_or_path=model, data_json_path=data)
+    assert {k: getattr(args, k) for k in expected} == expected
+    assert args.reward_terms == [("hpsv2", 1.0)]
+
+    env.update(JAGG="1", JAGG_WINDOW="3", NPROC="2")
+    assert run_sh(script, env, stub=stub).returncode == 0
+    argv = shlex.split(open(log).read())
+    assert argv[:10] == ["--standalone", "--nproc_per_node=2", "-m", "jagg_patch", module,
+                         "--jagg_window", "3", "--jagg_frac", "0.6", "--jagg_mode"]
+
+
+def test_tiny_preset_runs_on_cpu(script, tmp_path, preset_cache):
+    res = run_sh(script, {"PRESET": "tiny", "OUTPUT_DIR": str(tmp_path / "out"), "CACHE_DIR": preset_cache},
+                 "--max_train_steps", "1", "--train_batch_size", "2", "--num_generations", "2",
+                 "--gradient_accumulation_steps", "4")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert (tmp_path / "out" / "metrics.jsonl").is_file()
+    assert "--nproc_per_node=1" in res.stderr and "--h 720" not in res.stderr
