@@ -18,45 +18,76 @@ from .core import jagg_group_backward, plan_groups
 MODES = ("exact", "jagg", "endpoints")
 
 
-def _flat_grad(model):
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double()
-                      for p in model.parameters() if p.requires_grad])
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
 
 
-def group_gradients(ctx, make_batch, steps, window, batch_size):
-    """{(group index, mode): flat gradient} over all samples in `steps` [N, n].
+def select_parameters(model, pattern):
+    """Measure on the parameters whose name matches the regex `pattern` only.
 
-    make_batch(sample_idx) -> UpdateBatch for those samples (the trainer's closures)."""
-    ks = steps.sort(dim=1).values
-    groups = plan_groups(range(ks.shape[1]), window, 1.0)
-    grads = {}
-    for group in groups:
-        for mode in MODES:
-            ctx.transformer.zero_grad(set_to_none=True)
-            for start in range(0, ks.shape[0], batch_size):
-                idx = torch.arange(start, min(start + batch_size, ks.shape[0]), device=ks.device)
-                batch = make_batch(idx)
-                cols = ks[idx][:, list(group.members)]
-                jagg_group_backward(lambda j: batch.predict(cols[:, j]), lambda j, v: batch.step_loss(cols[:, j], v),
-                                    batch.timesteps.to(cols.device)[cols].T, mode if group.size > 1 else "exact")
-            grads[group.index, mode] = _flat_grad(ctx.raw_transformer)
+    The others get requires_grad False, so backward neither computes nor stores their
+    gradients: what makes the check fit for 12B / 20B models."""
+    import re
+    from dancegrpo.distributed import clean_param_name
+    from dancegrpo.errors import ConfigError
+    if not pattern:
+        return
+    rx, chosen = re.compile(pattern), 0
+    for name, p in model.named_parameters():
+        keep = rx.search(clean_param_name(name)) is not None
+        p.requires_grad_(keep)
+        chosen += keep
+    if not chosen:
+        raise ConfigError(f"--diag_params {pattern!r} matches no parameter name of the transformer")
+
+
+def _accumulate_group(ctx, make_batch, ks, group, mode, batch_size):
+    """The gradient of one group, summed over all samples, left in the parameters' .grad."""
     ctx.transformer.zero_grad(set_to_none=True)
-    return groups, grads
+    for start in range(0, ks.shape[0], batch_size):
+        idx = torch.arange(start, min(start + batch_size, ks.shape[0]), device=ks.device)
+        batch = make_batch(idx)
+        cols = ks[idx][:, list(group.members)]
+        jagg_group_backward(lambda j: batch.predict(cols[:, j]), lambda j, v: batch.step_loss(cols[:, j], v),
+                            batch.timesteps.to(cols.device)[cols].T, mode if group.size > 1 else "exact")
 
 
-def similarity_rows(groups, grads, timesteps=None, ks=None):
+def _compare_to(params, exact):
+    """(cos, relative error) of the current .grad against `exact`, reduced parameter by
+    parameter in float64 so no flat copy of the gradient is ever built."""
+    dot = got2 = exact2 = diff2 = 0.0
+    for p, e in zip(params, exact):
+        g = (p.grad if p.grad is not None else torch.zeros_like(p)).double()
+        e = e.double()
+        dot += float((g * e).sum())
+        got2 += float((g * g).sum())
+        exact2 += float((e * e).sum())
+        diff2 += float(((g - e) ** 2).sum())
+    cos = dot / (got2 * exact2) ** 0.5 if got2 * exact2 > 0 else float("nan")
+    return cos, (diff2 / exact2) ** 0.5 if exact2 > 0 else float("nan"), exact2 ** 0.5
+
+
+def group_similarities(ctx, make_batch, steps, window, batch_size, timesteps=None):
+    """Per group index (all groups planned as JAGG): cosine and relative error of the JAGG
+    and endpoints group gradients against the exact one, over all samples in `steps` [N, n].
+
+    make_batch(sample_idx) -> UpdateBatch for those samples (the trainer's closures).
+    Memory: one extra copy of the (selected) gradient, the exact one of the current group."""
+    ks = steps.sort(dim=1).values
+    params = _trainable(ctx.raw_transformer)
     rows = []
-    for g in groups:
-        exact = grads[g.index, "exact"]
-        row = dict(group=g.index, positions=list(g.members), size=g.size, exact_norm=float(exact.norm()))
+    for group in plan_groups(range(ks.shape[1]), window, 1.0):
+        _accumulate_group(ctx, make_batch, ks, group, "exact", batch_size)
+        exact = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for p in params]
+        row = dict(group=group.index, positions=list(group.members), size=group.size)
         for mode in ("jagg", "endpoints"):
-            got = grads[g.index, mode]
-            denom = float(exact.norm() * got.norm())
-            row[f"cos_{mode}"] = float(got @ exact) / denom if denom > 0 else float("nan")
-            row[f"relerr_{mode}"] = float((got - exact).norm() / exact.norm()) if exact.norm() > 0 else float("nan")
-        if timesteps is not None and ks is not None:
-            row["mean_t"] = float(timesteps.to(ks.device)[ks[:, list(g.members)]].mean())
+            _accumulate_group(ctx, make_batch, ks, group, mode, batch_size)
+            row[f"cos_{mode}"], row[f"relerr_{mode}"], row["exact_norm"] = _compare_to(params, exact)
+        if timesteps is not None:
+            row["mean_t"] = float(timesteps.to(ks.device)[ks[:, list(group.members)]].mean())
         rows.append(row)
+        del exact
+    ctx.transformer.zero_grad(set_to_none=True)
     return rows
 
 
@@ -88,6 +119,7 @@ def setup_diagnostics(module, args):
     for _ in range(args.diag_warmup_steps):
         ctx.step += 1
         module.train_one_step(ctx)
+    select_parameters(ctx.raw_transformer, getattr(args, "diag_params", None))
     return ctx
 
 
@@ -109,17 +141,24 @@ def measure_rollout(ctx, args, step):
     def make_batch(idx):
         return trainer.make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
 
-    groups, grads = group_gradients(ctx, make_batch, steps, args.jagg_window, args.update_batch_size)
-    return similarity_rows(groups, grads, ctx.timesteps, steps.sort(dim=1).values)
+    return group_similarities(ctx, make_batch, steps, args.jagg_window, args.update_batch_size, ctx.timesteps)
+
+
+def add_diag_args(parser):
+    g = parser.add_argument_group("diagnostics")
+    g.add_argument("--diag_samples", type=int, default=32, help="Samples of the rollout to measure on.")
+    g.add_argument("--diag_warmup_steps", type=int, default=0, help="Vanilla training steps before measuring.")
+    g.add_argument("--diag_params", default=None,
+                   help="Regex: measure the gradient of matching parameters only, e.g. "
+                        "'transformer_blocks\\.0\\.' (needed to fit 12B / 20B models; default: all).")
+    return g
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     module, parser, rest = trainer_cli(argv, "jagg_patch.diagnostics", __doc__)
     from dancegrpo.args import parse_args
-    g = parser.add_argument_group("diagnostics")
-    g.add_argument("--diag_samples", type=int, default=32, help="Samples of the rollout to measure on.")
-    g.add_argument("--diag_warmup_steps", type=int, default=0, help="Vanilla training steps before measuring.")
+    add_diag_args(parser)
     args = parse_args(parser, rest)
     rows = run_diagnostics(module, args)
     print(format_table(rows, args.jagg_window), flush=True)

@@ -18,7 +18,7 @@ import statistics
 import sys
 
 from .cli import trainer_cli
-from .diagnostics import measure_rollout, setup_diagnostics
+from .diagnostics import add_diag_args, measure_rollout, setup_diagnostics
 
 
 def _stats(values):
@@ -93,10 +93,9 @@ def main(argv=None):
     module, parser, rest = trainer_cli(argv, "jagg_patch.fidelity", __doc__)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
+    add_diag_args(parser)
     g = parser.add_argument_group("fidelity")
     g.add_argument("--fid_rollouts", type=int, default=3, help="Rollouts to average over.")
-    g.add_argument("--diag_samples", type=int, default=32, help="Samples of each rollout to measure on.")
-    g.add_argument("--diag_warmup_steps", type=int, default=0, help="Vanilla training steps before measuring.")
     g.add_argument("--fid_out", default=None, help="Write fidelity.{json,csv,md} here.")
     args = parse_args(parser, rest)
     if args.fid_rollouts < 1:

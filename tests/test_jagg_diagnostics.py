@@ -31,3 +31,41 @@ def test_wider_window_table(make_args):
         assert 0.5 < r["cos_jagg"] < 1 - 1e-6          # an approximation, not exact...
         assert r["cos_jagg"] > r["cos_endpoints"]     # ...and better than dropping the middles
         assert r["relerr_jagg"] < r["relerr_endpoints"]
+
+
+def test_parameter_subset_measures_only_those_gradients(make_args):
+    """--diag_params: backward skips the other parameters, and the numbers are those of
+    the selected slice of the full gradient (checked against an explicit flat computation)."""
+    import torch
+    from dancegrpo import trainer
+    from dancegrpo.grpo import choose_train_steps
+    from jagg_patch.diagnostics import _accumulate_group, group_similarities, select_parameters
+    from jagg_patch.core import plan_groups
+
+    args = diag_args(make_args, 3)
+    ctx = trainer.setup(args, flux.FAMILY(args))
+    cond, captions = trainer.expand_groups(args, next(ctx.loader))
+    rollout = trainer.sample_reference_model(ctx, cond, captions, torch.Generator().manual_seed(0))
+    adv = torch.randn(len(captions), generator=torch.Generator().manual_seed(1))
+    steps = choose_train_steps(len(captions), args.sampling_steps - 1, 7, torch.Generator().manual_seed(2))
+
+    def make_batch(idx):
+        return trainer.make_update_batch(ctx, rollout, cond, adv, idx, steps[idx], 28)
+
+    names = [n for n, _ in ctx.raw_transformer.named_parameters() if n.startswith("single_transformer_blocks.0.")]
+    group = plan_groups(range(7), 3, 1.0)[0]
+    ks = steps.sort(dim=1).values
+    full = {}
+    for mode in ("exact", "jagg"):
+        _accumulate_group(ctx, make_batch, ks, group, mode, 4)
+        full[mode] = torch.cat([dict(ctx.raw_transformer.named_parameters())[n].grad.reshape(-1).double()
+                                for n in names])
+    expected_cos = float(full["jagg"] @ full["exact"] / (full["jagg"].norm() * full["exact"].norm()))
+
+    select_parameters(ctx.raw_transformer, r"^single_transformer_blocks\.0\.")
+    assert {n for n, p in ctx.raw_transformer.named_parameters() if p.requires_grad} == set(names)
+    row = group_similarities(ctx, make_batch, steps, 3, 4)[0]
+    assert row["cos_jagg"] == pytest.approx(expected_cos, abs=1e-9)
+    assert all(p.grad is None for p in ctx.raw_transformer.parameters() if not p.requires_grad)
+    with pytest.raises(ValueError, match="matches no parameter"):
+        select_parameters(ctx.raw_transformer, "no_such_layer")
