@@ -116,3 +116,18 @@ def test_evaluate_bad_input_names_the_fix(cache_dir, tmp_path, capsys, case, mes
         _run(cache_dir, tmp_path / "o", *extra)
     assert exc.value.code != 0
     assert message in capsys.readouterr().err
+
+
+def test_evaluate_qwenimage_family(cache_dir, tmp_path):
+    """The same CLI on the Qwen-Image family: the jpeg score of each image equals the
+    built-in reward of the image it writes (scores belong to their images)."""
+    from dancegrpo.rewards.builtin import jpeg_kilobytes
+    _run(cache_dir, tmp_path / "q", "--family", "qwenimage", "--metrics", "jpeg", "--max_prompts", "2",
+         "--save_images")
+    out = tmp_path / "q" / "preset-tiny"
+    rows = _csv(out / "scores.csv")
+    assert len(rows) == 2
+    for r in rows:
+        image = Image.open(out / "images" / f"p{int(r['prompt_index']):04d}_i{int(r['image_index']):02d}.png")
+        assert image.size == (64, 64)
+        assert float(r["jpeg"]) == pytest.approx(-jpeg_kilobytes(image), abs=1e-6)
