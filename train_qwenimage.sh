@@ -18,37 +18,13 @@ DATA_JSON="${DATA_JSON:-data/qwenimage_rl_embeddings/videos2caption.json}"
 OUTPUT_DIR="${OUTPUT_DIR:-data/outputs/grpo_qwenimage}"
 CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
-# Upstream's Qwen-Image recipe (../shared/DANCEGRPO.md, the table).
+# Upstream's Qwen-Image recipe (../shared/DANCEGRPO.md, the table); shared flags: scripts/launch.sh.
 RECIPE=(
-  --seed "${SEED:-42}"
   --vae_model_path "${VAE_MODEL_PATH:-$MODEL_PATH}"
-  --gradient_checkpointing
   --selective_checkpointing "${SELECTIVE_CHECKPOINTING:-0.5}"
-  --train_batch_size "${TRAIN_BATCH_SIZE:-2}"
-  --num_latent_t 1 --sp_size 1 --train_sp_batch_size 1
-  --dataloader_num_workers "${DATALOADER_NUM_WORKERS:-4}"
-  --gradient_accumulation_steps "${GRADIENT_ACCUMULATION_STEPS:-12}"
-  --max_train_steps "${MAX_TRAIN_STEPS:-300}"
-  --learning_rate "${LEARNING_RATE:-1e-5}"
-  --mixed_precision bf16
   --checkpointing_steps "${CHECKPOINTING_STEPS:-60}"
-  --allow_tf32
-  --cfg 0.0
-  --h "${HEIGHT:-720}" --w "${WIDTH:-720}" --t 1
   --sampling_steps "${SAMPLING_STEPS:-20}"
-  --eta "${ETA:-0.3}"
-  --lr_warmup_steps 0
   --sampler_seed "${SAMPLER_SEED:-12627}"
   --max_grad_norm "${MAX_GRAD_NORM:-1.0}"
-  --weight_decay 0.0001
-  --reward "${REWARD:-hpsv2=1.0}"
-  --num_generations "${NUM_GENERATIONS:-12}"
-  --shift "${SHIFT:-3}"
-  --use_group
-  --ignore_last
-  --timestep_fraction "${TIMESTEP_FRACTION:-0.6}"
-  --init_same_noise
-  --clip_range "${CLIP_RANGE:-1e-4}"
-  --adv_clip_max "${ADV_CLIP_MAX:-5.0}"
 )
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/launch.sh"

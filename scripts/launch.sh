@@ -2,10 +2,38 @@
 #
 # The caller sets: MODULE (trainer module), MODEL_NAME, HF_REPO, PREPROCESS (module),
 # MODEL_PATH, DATA_JSON, OUTPUT_DIR, CACHE_DIR, NPROC_DEFAULT, and the array RECIPE
-# (upstream's flags for that model). This file handles the preset switch, the
+# (upstream's flags where the models differ; COMMON_RECIPE below holds the shared ones). This file handles the preset switch, the
 # missing-weights message, the vanilla / JAGG switch, and the torchrun call, so
 # vanilla and JAGG runs differ in nothing but the launcher module.
 set -euo pipefail
+
+# Upstream's settings common to both recipes (../shared/DANCEGRPO.md, "Common").
+COMMON_RECIPE=(
+  --seed "${SEED:-42}"
+  --gradient_checkpointing
+  --train_batch_size "${TRAIN_BATCH_SIZE:-2}"
+  --num_latent_t 1 --sp_size 1 --train_sp_batch_size 1
+  --dataloader_num_workers "${DATALOADER_NUM_WORKERS:-4}"
+  --gradient_accumulation_steps "${GRADIENT_ACCUMULATION_STEPS:-12}"
+  --max_train_steps "${MAX_TRAIN_STEPS:-300}"
+  --learning_rate "${LEARNING_RATE:-1e-5}"
+  --mixed_precision bf16
+  --allow_tf32
+  --cfg 0.0
+  --h "${HEIGHT:-720}" --w "${WIDTH:-720}" --t 1
+  --eta "${ETA:-0.3}"
+  --lr_warmup_steps 0
+  --weight_decay 0.0001
+  --reward "${REWARD:-hpsv2=1.0}"
+  --num_generations "${NUM_GENERATIONS:-12}"
+  --shift "${SHIFT:-3}"
+  --use_group
+  --ignore_last
+  --timestep_fraction "${TIMESTEP_FRACTION:-0.6}"
+  --init_same_noise
+  --clip_range "${CLIP_RANGE:-1e-4}"
+  --adv_clip_max "${ADV_CLIP_MAX:-5.0}"
+)
 
 PRESET="${PRESET:-}"
 JAGG="${JAGG:-0}"
@@ -47,7 +75,7 @@ MSG
     exit 1
   fi
   ARGS=(--pretrained_model_name_or_path "$MODEL_PATH" --data_json_path "$DATA_JSON"
-        --output_dir "$OUTPUT_DIR" --cache_dir "$CACHE_DIR" "${RECIPE[@]}")
+        --output_dir "$OUTPUT_DIR" --cache_dir "$CACHE_DIR" "${COMMON_RECIPE[@]}" "${RECIPE[@]}")
 fi
 
 if [[ "$JAGG" == "1" ]]; then
