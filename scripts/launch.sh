@@ -2,8 +2,8 @@
 #
 # The caller sets: MODULE (trainer module), MODEL_NAME, HF_REPO, PREPROCESS (module),
 # MODEL_PATH, DATA_JSON, OUTPUT_DIR, CACHE_DIR, NPROC_DEFAULT, and the array RECIPE
-# (upstream's flags where the models differ; COMMON_RECIPE below holds the shared ones). This file handles the preset switch, the
-# missing-weights message, the vanilla / JAGG switch, and the torchrun call, so
+# (upstream's flags where the models differ; COMMON_RECIPE below holds the shared ones).
+# This file handles the preset switch, the missing-weights message, the vanilla / JAGG switch, and the torchrun call, so
 # vanilla and JAGG runs differ in nothing but the launcher module.
 set -euo pipefail
 
