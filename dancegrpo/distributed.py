@@ -55,6 +55,15 @@ def all_reduce_mean(value, device):
     return t.item() / dist.get_world_size()
 
 
+def all_reduce_max(value, device):
+    """The largest of a Python float over ranks."""
+    if not is_distributed():
+        return float(value)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 SHARDING_STRATEGIES = ("full", "hybrid_full", "hybrid_zero2", "none")
 
 

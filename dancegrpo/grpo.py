@@ -1,9 +1,11 @@
-"""GRPO pieces shared by every model family: advantages, the PPO loss, the
-choice of trained transitions, and the policy-update seam.
+"""GRPO pieces shared by every model family: advantages, the PPO loss, and the
+two seams of the policy update.
 
-`policy_update` is the ONE function that the JAGG patch replaces (see
-`jagg_patch.seams`). It receives closures, not a model, so it is the same for
-Flux and Qwen-Image and knows nothing about FSDP, prompts or rewards.
+`policy_update` (how a micro-batch's gradient is computed) and
+`select_train_steps` (which transitions each sample trains) are what the JAGG
+patch replaces (see `jagg_patch.seams`). They receive closures and sizes, not a
+model, so they are the same for Flux and Qwen-Image and know nothing about FSDP,
+prompts or rewards.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -62,6 +64,25 @@ def choose_train_steps(num_samples, num_transitions, num_train, generator=None):
 
 
 @dataclass
+class TrainSelection:
+    """Which transitions each sample trains, and the loss normaliser that goes with it.
+
+    steps: LongTensor [N, n], the trained transitions of each sample, in the order vanilla
+        trains them; -1 pads a sample that trains fewer than n (only selections whose count
+        varies per sample produce it; upstream's never does).
+    num_train: each transition's loss is divided by GA * num_train (upstream's train_timesteps).
+    """
+    steps: torch.Tensor
+    num_train: int
+
+
+def select_train_steps(num_samples, num_transitions, timestep_fraction, generator=None):
+    """Seam: upstream's choice, int(num_transitions * fraction) random transitions per sample."""
+    num_train = num_train_timesteps(num_transitions, timestep_fraction)
+    return TrainSelection(choose_train_steps(num_samples, num_transitions, num_train, generator), num_train)
+
+
+@dataclass
 class UpdateBatch:
     """One micro-batch of m samples as the policy update sees it.
 
@@ -69,13 +90,16 @@ class UpdateBatch:
         it runs the transformer with grad if grad is enabled.
     step_loss(k, v) -> scalar: the summed, normalised PPO loss of the m samples at
         transitions k given output v; it runs no transformer pass.
-    steps: LongTensor [m, n], the trained transitions, in the order vanilla trains them.
-    timesteps: float tensor [S-1 or S], model timestep of each transition index.
+    steps: LongTensor [m, n], the trained transitions (TrainSelection.steps of these samples).
+    timesteps: float tensor [S], model timestep of each transition k = 0..S-1 (the last
+        transition is never trained, so S-1 transitions are trainable).
+    subset(rows) -> UpdateBatch of the samples at positions `rows` (LongTensor) of this one.
     """
     predict: Callable
     step_loss: Callable
     steps: torch.Tensor
     timesteps: torch.Tensor
+    subset: Callable = None
 
 
 @dataclass

@@ -1,12 +1,13 @@
 """DanceGRPO for Flux: `python -m dancegrpo.train_grpo_flux ...` (or under torchrun).
 
-Names follow upstream's fastvideo/train_grpo_flux.py. `policy_update` is the
-seam that `jagg_patch` replaces; `train_one_step` looks it up in this module
-at call time, so patching this module's attribute is enough.
+Names follow upstream's fastvideo/train_grpo_flux.py. `policy_update` and
+`select_train_steps` are the seams that `jagg_patch` replaces; `train_one_step`
+looks them up in this module at call time, so patching this module's attributes
+is enough.
 """
 from . import trainer
 from .args import build_parser as _build_parser, parse_args
-from .grpo import policy_update  # noqa: F401  (the patchable seam)
+from .grpo import policy_update, select_train_steps  # noqa: F401  (the patchable seams)
 from .models.base import pack_latents, prepare_latent_image_ids, unpack_latents  # noqa: F401
 from .models.flux import FluxFamily
 from .sde import flux_step, sd3_time_shift  # noqa: F401
@@ -22,7 +23,7 @@ def build_parser():
 
 
 def train_one_step(ctx):
-    return trainer.train_one_step(ctx, policy_update)
+    return trainer.train_one_step(ctx, policy_update, select_train_steps)
 
 
 def main(args):

@@ -2,13 +2,13 @@
 
 Names follow upstream's fastvideo/train_grpo_qwenimage.py. The loop is the
 shared one (`dancegrpo.trainer`); only the model family differs. As in the Flux
-trainer, `policy_update` is the seam that `jagg_patch` replaces and
-`train_one_step` looks it up in this module at call time, so patching this
-module's attribute is enough.
+trainer, `policy_update` and `select_train_steps` are the seams that
+`jagg_patch` replaces and `train_one_step` looks them up in this module at call
+time, so patching this module's attributes is enough.
 """
 from . import trainer
 from .args import build_parser as _build_parser, parse_args
-from .grpo import policy_update  # noqa: F401  (the patchable seam)
+from .grpo import policy_update, select_train_steps  # noqa: F401  (the patchable seams)
 from .models.base import pack_latents, unpack_latents  # noqa: F401
 from .models.qwenimage import QwenImageFamily
 from .sde import flux_step, sd3_time_shift  # noqa: F401
@@ -24,7 +24,7 @@ def build_parser():
 
 
 def train_one_step(ctx):
-    return trainer.train_one_step(ctx, policy_update)
+    return trainer.train_one_step(ctx, policy_update, select_train_steps)
 
 
 def main(args):

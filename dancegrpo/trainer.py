@@ -16,11 +16,12 @@ import torch
 
 from . import checkpoint as ckpt
 from .data import PromptEmbeddingDataset, infinite_prompt_batches
-from .distributed import (all_reduce_mean, apply_activation_checkpointing, clip_grad_norm, gather_tensor,
+from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_checkpointing, clip_grad_norm, gather_tensor,
                           init_distributed, is_distributed, shutdown, wrap_fsdp)
 from .ema import ParamEMA
-from .grpo import (UpdateBatch, UpdateStats, choose_train_steps, global_advantages, group_advantages,
-                   num_train_timesteps, ppo_clip_loss)
+from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
+from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages, num_train_timesteps,
+                   ppo_clip_loss, select_train_steps as vanilla_selection)
 from .metrics import MetricsWriter, PassCounter
 from .rewards import WeightedReward
 from .sde import at_least_fp32, flux_step, model_timesteps, sigma_schedule
@@ -56,6 +57,7 @@ class TrainContext:
     seed: int = 0
     ema: object = None
     step: int = 0
+    activation_meter: ActivationMeter = field(default_factory=ActivationMeter)
     extra: dict = field(default_factory=dict)
 
 
@@ -154,7 +156,10 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
         # summing over the micro-batch keeps that gradient for any batching.
         return per_sample.sum() / normaliser
 
-    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps)
+    def subset(rows):
+        return make_update_batch(ctx, rollout, cond, advantages, sample_idx[rows], steps[rows], normaliser)
+
+    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps, subset=subset)
 
 
 def compute_advantages(ctx, rewards, all_rewards, host_gen):
@@ -178,24 +183,27 @@ def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps
     return stats
 
 
-def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update):
-    """Upstream's update cadence around the seam: per sample a random subset of
-    transitions, optimizer step after every GA samples (and after a final partial block)."""
+def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update, select_train_steps=vanilla_selection):
+    """Upstream's update cadence around the seams: per sample the transitions that
+    `select_train_steps` draws, optimizer step after every GA samples (and after a final
+    partial block). The update's saved activations are metered (ctx.activation_meter)."""
     args = ctx.args
     num_samples, num_transitions = rollout.log_probs.shape[0], rollout.log_probs.shape[1] - 1  # last dropped
-    num_train = num_train_timesteps(num_transitions, args.timestep_fraction)
-    steps = choose_train_steps(num_samples, num_transitions, num_train, host_gen).to(ctx.device)
-    normaliser = args.gradient_accumulation_steps * num_train
+    selection = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
+    steps = selection.steps.to(ctx.device)
+    normaliser = args.gradient_accumulation_steps * selection.num_train
     ctx.transformer.train()
     stats, grad_norms = UpdateStats(), []
     for block in range(0, num_samples, args.gradient_accumulation_steps):
         idx = torch.arange(block, min(block + args.gradient_accumulation_steps, num_samples), device=ctx.device)
-        stats += accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser, policy_update)
+        with ctx.activation_meter:
+            stats += accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser,
+                                                policy_update)
         grad_norms.append(clip_grad_norm(ctx.transformer, args.max_grad_norm))
         ctx.optimizer.step()
         ctx.lr_scheduler.step()
         ctx.optimizer.zero_grad(set_to_none=True)
-    return stats, grad_norms, num_train
+    return stats, grad_norms, selection.num_train
 
 
 def expand_groups(args, batch):
@@ -215,12 +223,17 @@ def _sum_over_ranks(values, device):
     return [int(round(x)) for x in t.tolist()]
 
 
-def train_one_step(ctx, policy_update):
-    """One GRPO step: rollout, reward, advantages, policy update. Returns the metrics record."""
+def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
+    """One GRPO step: rollout, reward, advantages, policy update. Returns the metrics record.
+
+    `policy_update` and `select_train_steps` are the seams (dancegrpo.grpo), passed in by
+    the trainer module so that a run-time patch of its attributes applies."""
     args = ctx.args
     t_start = time.time()
     ctx.optimizer.zero_grad(set_to_none=True)  # upstream's Qwen trainer leaked leftovers into the next step
     ctx.counter.reset()
+    ctx.activation_meter.reset()
+    cuda_peak_reset(ctx.device)
     noise_gen, host_gen = step_generators(ctx, ctx.step)
     cond, captions = expand_groups(args, next(ctx.loader))
     cond = {k: v.to(ctx.device) for k, v in cond.items()}
@@ -230,7 +243,8 @@ def train_one_step(ctx, policy_update):
     advantages = compute_advantages(ctx, rollout.rewards, all_rewards, host_gen)
     t_rollout = time.time()
 
-    stats, grad_norms, num_train = update_policy(ctx, rollout, cond, advantages, host_gen, policy_update)
+    stats, grad_norms, num_train = update_policy(ctx, rollout, cond, advantages, host_gen, policy_update,
+                                                 select_train_steps)
     if ctx.ema is not None and ctx.step >= args.ema_start_step:
         ctx.ema.update()
     t_end = time.time()
@@ -254,7 +268,12 @@ def train_one_step(ctx, policy_update):
         "train_timesteps": num_train,
         "optimizer_steps": len(grad_norms),
         "world_size": ctx.world_size,
+        # The largest rank's peak of tensors saved for backward during the update.
+        "activation_peak_mb": all_reduce_max(ctx.activation_meter.peak_mb, ctx.device),
     }
+    cuda_mb = cuda_peak_mb(ctx.device)
+    if cuda_mb is not None:
+        record["cuda_peak_mb"] = all_reduce_max(cuda_mb, ctx.device)
     for name, scores in getattr(ctx.reward_fn, "last_terms", {}).items():
         record[f"reward_{name}_mean"] = gather_tensor(scores.to(ctx.device)).mean().item()
     return record

@@ -122,7 +122,7 @@ def _log_prob64(prev, mean, std):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")
-def test_update_gradient_matches_float64_reference(preset_cache, tmp_path, monkeypatch):
+def test_update_gradient_matches_float64_reference(preset_cache, tmp_path):
     """The gradient the update loop accumulates (micro-batched, one backward per transition)
     equals an independent float64 computation of upstream's loss over the same transitions."""
     args = preset_args(preset_cache, tmp_path, "--train_batch_size", "2", "--num_generations", "3",
@@ -136,9 +136,9 @@ def test_update_gradient_matches_float64_reference(preset_cache, tmp_path, monke
     assert len(set(cond["encoder_hidden_states_mask"].sum(1).tolist())) == 2  # two different true lengths
 
     chosen = {}
-    real_choose = trainer.choose_train_steps
-    monkeypatch.setattr(trainer, "choose_train_steps",
-                        lambda *a, **k: chosen.setdefault("steps", real_choose(*a, **k)))
+
+    def spy_selection(*a, **k):  # dancegrpo's own seam, recording what it drew
+        return chosen.setdefault("selection", tq.select_train_steps(*a, **k))
     grads = {}
 
     class Capture:
@@ -150,13 +150,13 @@ def test_update_gradient_matches_float64_reference(preset_cache, tmp_path, monke
             ctx.raw_transformer.zero_grad(set_to_none=True)
 
     ctx.optimizer = Capture()
-    stats, norms, n_train = trainer.update_policy(ctx, rollout, cond, adv, host_gen, tq.policy_update)
+    stats, norms, n_train = trainer.update_policy(ctx, rollout, cond, adv, host_gen, tq.policy_update, spy_selection)
     assert len(norms) == 1 and n_train == 3 and stats.backward_calls == 2 * 3  # 2 micro-batches x 3 steps
 
     ref = copy.deepcopy(ctx.raw_transformer).double()
     sig = ctx.sigmas.double()
     total = 0.0
-    steps = chosen["steps"]
+    steps = chosen["selection"].steps
     for i in range(steps.shape[0]):
         row = {"encoder_hidden_states": cond["encoder_hidden_states"][i:i + 1].double(),
                "encoder_hidden_states_mask": cond["encoder_hidden_states_mask"][i:i + 1]}

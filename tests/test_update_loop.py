@@ -25,10 +25,11 @@ def reference_velocity(model, z, t, cond, h, w):
 
 
 def reference_loss(model, rollout, cond, adv, steps, sigmas, args, normaliser):
-    """sum over samples and trained transitions of the PPO-clip loss, as upstream writes it per step."""
+    """sum over samples and trained transitions of the PPO-clip loss, as upstream writes it per step
+    (-1 in `steps` marks no transition)."""
     total = 0.0
     for b in range(steps.shape[0]):
-        for k in steps[b].tolist():
+        for k in [k for k in steps[b].tolist() if k >= 0]:
             s, s_next = float(sigmas[k]), float(sigmas[k + 1])
             z, z_next = rollout.latents[b:b + 1, k], rollout.latents[b:b + 1, k + 1]
             t = torch.tensor([int(s * 1000) / 1000], dtype=torch.float64)
