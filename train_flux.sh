@@ -20,7 +20,7 @@ OUTPUT_DIR="${OUTPUT_DIR:-data/outputs/grpo_flux}"
 CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
 # Upstream's 8-GPU Flux recipe (../shared/DANCEGRPO.md, the table); shared flags: scripts/launch.sh.
-RECIPE=(
+MODEL_RECIPE=(
   --selective_checkpointing "${SELECTIVE_CHECKPOINTING:-1.0}"
   --checkpointing_steps "${CHECKPOINTING_STEPS:-40}"
   --sampling_steps "${SAMPLING_STEPS:-16}"

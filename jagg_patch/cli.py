@@ -4,7 +4,8 @@ import argparse
 import importlib
 import sys
 
-from .core import MODES, describe_plan, plan_groups
+from .core import (ALPHA_RULES, BACKWARDS, GROUPINGS, MODES, describe_plan, group_cost, num_trained_windows,
+                   plan_groups, plan_windows)
 from .seams import SeamError, check_seams
 
 
@@ -40,49 +41,88 @@ def trainer_cli(argv, tool, usage):
     return module, parser, argv[1:]
 
 
-def _window(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text!r}") from None
-    if value < 2:
-        raise argparse.ArgumentTypeError(f"must be >= 2 (a JAGG group needs two endpoints), got {value}; "
-                                         "for the exact per-step backward use --jagg_frac 0 or --jagg_mode exact")
-    return value
+def _checked(cast, ok, what):
+    """An argparse type: `cast` the text, then require ok(value), else 'must be <what>'."""
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+        return value
+    return parse
 
 
-def _fraction(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {value}")
-    return value
+_window = _checked(int, lambda v: v >= 2, ">= 2 (a JAGG group needs two endpoints; for the exact per-step "
+                                          "backward use --jagg_frac 0 or --jagg_mode exact)")
+_fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
 
 def add_jagg_args(parser):
     g = parser.add_argument_group("JAGG (jagg_patch)")
     g.add_argument("--jagg_window", type=_window, default=4,
-                   help="W: consecutive trained transitions per group (>= 2; 2 is the exact gradient).")
+                   help="W: transitions per group (>= 2; 2 is the exact gradient).")
     g.add_argument("--jagg_frac", type=_fraction, default=0.6,
-                   help="Fraction of each sample's groups, highest noise first, routed to JAGG; the rest "
-                        "get the exact per-step backward (rounded half up).")
+                   help="Fraction of the groups, highest noise first, routed to JAGG; the rest get the exact "
+                        "per-step backward (rounded half up). The authors' code: 1.")
     g.add_argument("--jagg_mode", choices=MODES, default="jagg",
                    help="jagg: interpolated Jacobians (the method); endpoints: the paper's ablation "
                         "(backward at the two endpoints only, each weighted W/2); exact: per-step backward "
                         "for every group (reproduces vanilla).")
+    g.add_argument("--jagg_grouping", choices=GROUPINGS, default="trained",
+                   help="trained (the paper): groups of W consecutive transitions of vanilla's random trained "
+                        "subset; window (the authors' code): contiguous trajectory windows of W, "
+                        "timestep_fraction picks whole windows per sample.")
+    g.add_argument("--jagg_alpha", choices=ALPHA_RULES, default="timestep",
+                   help="Interpolation weight of member j: timestep (the paper), (t_0 - t_j) / (t_0 - t_{W-1}); "
+                        "index (the authors' code), j / (W-1).")
+    g.add_argument("--jagg_backward", choices=BACKWARDS, default="joint",
+                   help="joint: one autograd.backward through both endpoint graphs (the paper); split: each "
+                        "endpoint's forward and backward in turn, one graph alive at a time (the authors' code; "
+                        "same gradient, less activation memory).")
     return parser
 
 
+def jagg_kwargs(args):
+    """apply_jagg / make_policy_update keywords from the parsed JAGG flags."""
+    return dict(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
+                backward=args.jagg_backward, grouping=args.jagg_grouping)
+
+
+def check_trajectory(args):
+    """The checks that need the trainer's geometry, before any model is loaded."""
+    if args.jagg_grouping == "window" and args.jagg_window > args.sampling_steps - 1:
+        fail(f"--jagg_grouping window needs --jagg_window <= S-1 = {args.sampling_steps - 1} trainable "
+             f"transitions (--sampling_steps {args.sampling_steps}), got {args.jagg_window}; lower --jagg_window "
+             "or raise --sampling_steps")
+
+
 def jagg_plan_text(args):
-    """The plan for the configured S, timestep_fraction, window and jagg_frac."""
+    """The plan for the configured S, timestep_fraction, grouping, window and jagg_frac."""
     from dancegrpo.grpo import num_train_timesteps
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
-    n = num_train_timesteps(num_transitions, args.timestep_fraction)
-    groups = plan_groups(range(n), args.jagg_window, args.jagg_frac)
-    head = (f"JAGG plan (mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
-            f"S={args.sampling_steps} -> {num_transitions} transitions, {n} trained per sample "
-            f"(timestep_fraction {args.timestep_fraction}), a random subset per sample sorted into "
-            f"denoising order; positions 0..{n - 1} of that order:")
-    return head + "\n" + describe_plan(groups, args.jagg_mode)
+    n_vanilla = num_train_timesteps(num_transitions, args.timestep_fraction)
+    head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {args.jagg_backward}, "
+            f"mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
+            f"S={args.sampling_steps} -> {num_transitions} trainable transitions; ")
+    if args.jagg_grouping == "trained":
+        groups = plan_groups(range(n_vanilla), args.jagg_window, args.jagg_frac)
+        backwards = sum(group_cost(g, args.jagg_mode)[2] for g in groups)
+        return "\n".join([head + f"{n_vanilla} trained per sample (timestep_fraction {args.timestep_fraction}), "
+                          f"a random subset per sample sorted into denoising order; positions 0..{n_vanilla - 1} "
+                          "of that order:",
+                          *describe_plan(groups, args.jagg_mode, args.jagg_backward),
+                          f"  per sample: {backwards} transformer backwards instead of {n_vanilla}"])
+    windows = plan_windows(num_transitions, args.jagg_window, args.jagg_frac)
+    n_train = num_trained_windows(len(windows), args.timestep_fraction)
+    costs = sorted(group_cost(g, args.jagg_mode)[2] for g in windows)
+    expected = n_train * sum(costs) / len(windows)
+    return "\n".join([head + f"{len(windows)} contiguous windows, {n_train} of them drawn at random per sample and "
+                      f"trained whole (timestep_fraction {args.timestep_fraction}); loss / (GA x {n_train} x "
+                      f"{args.jagg_window}):",
+                      *describe_plan(windows, args.jagg_mode, args.jagg_backward, "window", "transitions"),
+                      f"  per sample: {expected:g} transformer backwards expected (min {sum(costs[:n_train])}, "
+                      f"max {sum(costs[-n_train:])}) instead of "
+                      f"{n_train * num_transitions / len(windows):g} with the exact backward of the same windows "
+                      f"(vanilla trains {n_vanilla} transitions)"])

@@ -11,17 +11,31 @@ import math
 import torch
 
 MODES = ("jagg", "endpoints", "exact")
+ALPHA_RULES = ("timestep", "index")   # the paper's text | the authors' code
+BACKWARDS = ("joint", "split")        # one autograd call on both endpoints | one endpoint graph at a time
+GROUPINGS = ("trained", "window")     # consecutive trained transitions | contiguous trajectory windows
 
 
-def interpolation_weights(t):
-    """alpha_j = (t_0 - t_j) / (t_0 - t_{W-1}), in float64.
+def _check_choice(kind, value, choices):
+    if value not in choices:
+        raise ValueError(f"JAGG {kind} must be one of {choices}, got {value!r}")
 
+
+def interpolation_weights(t, rule="timestep"):
+    """alpha_j of the members of a group, in float64.
+
+    rule "timestep" (the paper): alpha_j = (t_0 - t_j) / (t_0 - t_{W-1});
+    rule "index" (the authors' code): alpha_j = j / (W-1), whatever t is.
     `t` is [W] (one group) or [W, m] (one group per sample, member j of sample i
-    at t[j, i]); the result has the same shape.
+    at t[j, i]); the result has the same shape. alpha_0 = 0 and alpha_{W-1} = 1 exactly.
     """
+    _check_choice("alpha rule", rule, ALPHA_RULES)
     t = torch.as_tensor(t, dtype=torch.float64)
     if t.ndim not in (1, 2) or t.shape[0] < 2:
         raise ValueError(f"interpolation_weights needs W >= 2 timesteps as [W] or [W, m], got shape {tuple(t.shape)}")
+    if rule == "index":
+        index = torch.arange(t.shape[0], dtype=torch.float64) / (t.shape[0] - 1)
+        return index.reshape(-1, *([1] * (t.ndim - 1))).expand_as(t).clone()
     span = t[0] - t[-1]
     if bool((span == 0).any()):
         raise ValueError("interpolation_weights: t_0 == t_{W-1}, the group has no extent in t to interpolate over")
@@ -34,11 +48,6 @@ class GroupResult:
     forwards_grad: int = 0     # predict() calls that built a graph
     forwards_nograd: int = 0
     backward_calls: int = 0    # autograd backward invocations
-
-
-def _validate_mode(mode):
-    if mode not in MODES:
-        raise ValueError(f"JAGG mode must be one of {MODES}, got {mode!r}")
 
 
 def _upstream_grad(step_loss, j, v):
@@ -85,42 +94,59 @@ def _endpoint_weights(alpha, mode, width):
     return weights
 
 
-def jagg_group_backward(predict, step_loss, t, mode="jagg"):
+def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", backward="joint"):
     """Accumulate one group's gradient into the parameters `predict` reaches.
 
     predict(j) -> v_j (model output of member j); step_loss(j, v) -> scalar loss of
     member j (no model pass); t: the W model timesteps in denoising order, [W] or [W, m].
-    mode "jagg": 2 forwards with grad + W-2 without, ONE autograd.backward on the two
-    endpoint outputs. "endpoints": same passes, ablation weights (see _endpoint_weights).
+    mode "jagg": the endpoints' signals are the alpha-weighted sums of all members' upstream
+    gradients (alpha: see interpolation_weights); "endpoints": the paper's ablation (see
+    _endpoint_weights); both run 2 forwards with grad + W-2 without and 2 backwards:
+      backward "joint": ONE autograd.backward on both endpoint outputs (both graphs alive);
+      backward "split": middles first, then each endpoint's forward with grad and at once its
+        own backward, so one endpoint graph is alive at a time (the authors' form).
     "exact": forward with grad + backward for every member.
     """
-    _validate_mode(mode)
+    _check_choice("mode", mode, MODES)
+    _check_choice("alpha rule", alpha, ALPHA_RULES)
+    _check_choice("backward", backward, BACKWARDS)
     width = len(t)
     if mode == "exact" or width == 1:
         return _exact_group(predict, step_loss, width)
-    alpha = interpolation_weights(t)
-    result = GroupResult()
-    ends, upstream = {}, []
-    for j in range(width):
+    weights = _endpoint_weights(interpolation_weights(t, alpha), mode, width)
+    result, upstream = GroupResult(), {}
+
+    def forward(j):
         if j in (0, width - 1):
             v = predict(j)
-            ends[j] = v
             result.forwards_grad += 1
         else:
             with torch.no_grad():  # the point of JAGG: no graph, no activations for middles
                 v = predict(j)
             result.forwards_nograd += 1
-        loss, grad = _upstream_grad(step_loss, j, v)
+        loss, upstream[j] = _upstream_grad(step_loss, j, v)
         result.loss += loss.item()
-        upstream.append(grad)
-    s_base = s_corr = None
-    for (w0, w1), s in zip(_endpoint_weights(alpha, mode, width), upstream):
-        w0, w1 = _broadcast_alpha(w0, s), _broadcast_alpha(w1, s)
-        s_base = w0 * s if s_base is None else s_base + w0 * s
-        s_corr = w1 * s if s_corr is None else s_corr + w1 * s
-    # One call for both endpoint graphs: under FSDP one all-gather per module per group.
-    torch.autograd.backward([ends[0], ends[width - 1]], [s_base, s_corr])
-    result.backward_calls += 1
+        return v
+
+    def signal(end):  # s_base (end 0) or s_corr (end 1) from the upstream gradients known so far
+        return sum(_broadcast_alpha(weights[j][end], s) * s for j, s in upstream.items())
+
+    if backward == "joint":
+        outputs = [forward(j) for j in range(width)]
+        # One call for both endpoint graphs: under FSDP one all-gather per module per group.
+        torch.autograd.backward([outputs[0], outputs[-1]], [signal(0), signal(1)])
+        result.backward_calls += 1
+        return result
+    for j in range(1, width - 1):
+        forward(j)
+    # Split needs no extra forward: the far endpoint's weight in each signal is exactly 0
+    # (alpha_0 = 0, alpha_{W-1} = 1, and the ablation's weights), so s_base needs no
+    # s_{W-1} and s_corr no s_0.
+    for end, j in ((0, 0), (1, width - 1)):
+        v = forward(j)
+        torch.autograd.backward(v, signal(end))
+        result.backward_calls += 1
+        del v
     return result
 
 
@@ -139,14 +165,16 @@ def _round_half_up(x):
     return math.floor(x + Fraction(1, 2))
 
 
-def validate_jagg_config(window, jagg_frac, mode="jagg"):
-    """Raise ValueError naming the fix for a bad window / fraction / mode."""
+def validate_jagg_config(window, jagg_frac, mode="jagg", alpha="timestep", backward="joint", grouping="trained"):
+    """Raise ValueError naming the fix for a bad window / fraction / mode / alpha / backward / grouping."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
         raise ValueError(f"JAGG window must be an integer >= 2 (a group needs two endpoints), got {window!r}; "
                          "for the exact per-step backward use jagg_frac 0 or mode 'exact'")
     if isinstance(jagg_frac, bool) or not isinstance(jagg_frac, (int, float)) or not 0.0 <= jagg_frac <= 1.0:
         raise ValueError(f"jagg_frac must be a number in [0, 1], got {jagg_frac!r}")
-    _validate_mode(mode)
+    for kind, value, choices in (("mode", mode, MODES), ("alpha rule", alpha, ALPHA_RULES),
+                                 ("backward", backward, BACKWARDS), ("grouping", grouping, GROUPINGS)):
+        _check_choice(kind, value, choices)
 
 
 def plan_groups(trained_steps, window, jagg_frac):
@@ -164,16 +192,36 @@ def plan_groups(trained_steps, window, jagg_frac):
     return [Group(i, c, jagg=i < n_jagg and len(c) >= 2) for i, c in enumerate(chunks)]
 
 
-def describe_plan(groups, mode="jagg"):
+def plan_windows(num_transitions, window, jagg_frac):
+    """The authors' grouping: the trainable transitions 0..num_transitions-1 cut into contiguous
+    windows (window g = transitions gW .. gW+W-1; the last is shorter when W does not divide
+    num_transitions), routed as plan_groups routes groups."""
+    if window > num_transitions:
+        raise ValueError(f"window grouping needs JAGG window <= S-1 = {num_transitions} trainable transitions, "
+                         f"got {window}; lower --jagg_window or raise --sampling_steps")
+    return plan_groups(range(num_transitions), window, jagg_frac)
+
+
+def num_trained_windows(num_windows, timestep_fraction):
+    """Windows trained per sample: max(1, int(n_windows * timestep_fraction)), as the authors."""
+    return max(1, int(num_windows * timestep_fraction))
+
+
+def group_cost(group, mode="jagg"):
+    """(grad forwards, no-grad forwards, backwards) of one group per sample."""
+    if group.jagg and mode != "exact":
+        return 2, group.size - 2, 2
+    return group.size, 0, group.size
+
+
+def describe_plan(groups, mode="jagg", backward="joint", label="group", key="positions"):
     """Human-readable plan: one line per group, and the backward count it implies."""
-    lines, backwards, vanilla = [], 0, 0
+    calls = "1 call" if backward == "joint" else "2 calls"
+    lines = []
     for g in groups:
-        jagg = g.jagg and mode != "exact"
-        kind = f"JAGG ({mode})" if jagg else "exact"
-        cost = (f"2 grad + {g.size - 2} no-grad forwards, 2 backwards in 1 call" if jagg
-                else f"{g.size} grad forwards, {g.size} backwards")
-        lines.append(f"  group {g.index}: positions {list(g.members)} (size {g.size}) -> {kind}: {cost}")
-        backwards += 2 if jagg else g.size
-        vanilla += g.size
-    lines.append(f"  per sample: {backwards} transformer backwards instead of {vanilla}")
-    return "\n".join(lines)
+        if g.jagg and mode != "exact":
+            kind = f"JAGG ({mode}, {backward} backward): 2 grad + {g.size - 2} no-grad forwards, 2 backwards in {calls}"
+        else:
+            kind = f"exact: {g.size} grad forwards, {g.size} backwards"
+        lines.append(f"  {label} {g.index}: {key} {list(g.members)} (size {g.size}) -> {kind}")
+    return lines

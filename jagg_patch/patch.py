@@ -1,47 +1,90 @@
-"""Replacing dancegrpo's policy-update seam with the JAGG update (Liger-Kernel style).
+"""Replacing dancegrpo's policy-update seams with JAGG (Liger-Kernel style).
 
-Each trainer's `train_one_step` reads its module-global `policy_update` at call
-time, so swapping that attribute switches a run to JAGG and back.
+Each trainer's `train_one_step` reads its module-globals `policy_update` and
+`select_train_steps` at call time, so swapping those attributes switches a run to
+JAGG and back. The trained grouping replaces only `policy_update`; the window
+grouping (the authors' code) also replaces the choice of trained transitions.
 """
 import importlib
 
-from dancegrpo.grpo import UpdateStats
+import torch
 
-from .core import jagg_group_backward, plan_groups, validate_jagg_config
+from dancegrpo.grpo import TrainSelection, UpdateStats
+
+from .core import jagg_group_backward, num_trained_windows, plan_groups, plan_windows, validate_jagg_config
 from .seams import check_seams
 
-SEAM = "policy_update"
-_ORIGINALS = {}  # module name -> the original seam object, while patched
+REPLACED = ("policy_update", "select_train_steps")
+_ORIGINALS = {}  # (module name, seam) -> the original object, while patched
 
 
-def make_policy_update(window=4, jagg_frac=0.6, mode="jagg"):
+def _trained_groups(batch, window, jagg_frac):
+    """Groups of W consecutive trained transitions (the paper): the same positions for every
+    sample of the micro-batch, each sample with its own transitions."""
+    # Vanilla trains the transitions in random order; JAGG needs denoising order.
+    ks = batch.steps.sort(dim=1).values
+    for group in plan_groups(range(ks.shape[1]), window, jagg_frac):
+        yield batch, ks[:, list(group.members)], group.jagg
+
+
+def _window_groups(batch, window, jagg_frac):
+    """Contiguous trajectory windows (the authors): per window, the samples that train it."""
+    num_transitions = batch.timesteps.numel() - 1  # the last transition is never trained
+    for group in plan_windows(num_transitions, window, jagg_frac):
+        rows = (batch.steps == group.members[0]).any(dim=1).nonzero().flatten()  # windows train whole
+        if rows.numel():
+            sub = batch if rows.numel() == batch.steps.shape[0] else batch.subset(rows)
+            cols = torch.tensor(group.members, device=batch.steps.device).expand(rows.numel(), -1)
+            yield sub, cols, group.jagg
+
+
+def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
+                       grouping="trained"):
     """The JAGG replacement for dancegrpo.grpo.policy_update, configured."""
-    validate_jagg_config(window, jagg_frac, mode)
+    validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping)
+    groups_of = _window_groups if grouping == "window" else _trained_groups
 
     def policy_update(batch):
-        # Vanilla trains the transitions in random order; JAGG needs denoising order.
-        # The set of transitions (and so the gradient of the exact path) is unchanged.
-        ks = batch.steps.sort(dim=1).values
-        timesteps = batch.timesteps.to(ks.device)
-        m = ks.shape[0]
         stats = UpdateStats()
-        for group in plan_groups(range(ks.shape[1]), window, jagg_frac):
-            cols = ks[:, list(group.members)]                      # [m, W]
-            group_mode = mode if group.jagg else "exact"
-            result = jagg_group_backward(lambda j: batch.predict(cols[:, j]),
-                                         lambda j, v: batch.step_loss(cols[:, j], v),
-                                         timesteps[cols].T, group_mode)  # t: [W, m]
+        for sub, cols, jagg in groups_of(batch, window, jagg_frac):   # cols: [m, w] transitions
+            group_mode = mode if jagg else "exact"
+            result = jagg_group_backward(lambda j: sub.predict(cols[:, j]),
+                                         lambda j, v: sub.step_loss(cols[:, j], v),
+                                         sub.timesteps.to(cols.device)[cols].T, group_mode, alpha, backward)
             stats.loss += result.loss
             stats.backward_calls += result.backward_calls
             # Counted per sample, like transformer_backwards (2 per JAGG group).
             if group_mode == "exact":
-                stats.exact_groups += m
+                stats.exact_groups += cols.shape[0]
             else:
-                stats.jagg_groups += m
+                stats.jagg_groups += cols.shape[0]
         return stats
 
-    policy_update.jagg_config = dict(window=window, jagg_frac=jagg_frac, mode=mode)
+    policy_update.jagg_config = dict(window=window, jagg_frac=jagg_frac, mode=mode, alpha=alpha,
+                                     backward=backward, grouping=grouping)
     return policy_update
+
+
+def make_window_selection(window):
+    """The authors' choice of trained transitions, replacing dancegrpo.grpo.select_train_steps:
+    per sample a random permutation of the windows, the first max(1, int(n_windows * fraction))
+    trained whole; loss normaliser GA * n_trained_windows * W. -1 pads the samples that
+    drew the shorter last window."""
+
+    def select_train_steps(num_samples, num_transitions, timestep_fraction, generator=None):
+        windows = [g.members for g in plan_windows(num_transitions, window, 1.0)]
+        n_train = num_trained_windows(len(windows), timestep_fraction)
+        rows = []
+        for _ in range(num_samples):
+            chosen = sorted(torch.randperm(len(windows), generator=generator)[:n_train].tolist())
+            rows.append([k for g in chosen for k in windows[g]])
+        steps = torch.full((num_samples, max(map(len, rows))), -1, dtype=torch.long)
+        for i, row in enumerate(rows):
+            steps[i, :len(row)] = torch.tensor(row)
+        return TrainSelection(steps, n_train * window)
+
+    select_train_steps.jagg_window = window
+    return select_train_steps
 
 
 def _trainer_modules(trainer_module):
@@ -55,29 +98,34 @@ def _trainer_modules(trainer_module):
     return [trainer_module]
 
 
-def apply_jagg(trainer_module=None, *, window=4, jagg_frac=0.6, mode="jagg"):
-    """Patch the update seam of one trainer module (object or name) or, by default, of every
+def apply_jagg(trainer_module=None, *, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
+               grouping="trained"):
+    """Patch the update seams of one trainer module (object or name) or, by default, of every
     trainer in dancegrpo.TRAINERS. Applying again only changes the configuration."""
-    update = make_policy_update(window, jagg_frac, mode)
+    replacements = {"policy_update": make_policy_update(window, jagg_frac, mode, alpha, backward, grouping)}
+    if grouping == "window":
+        replacements["select_train_steps"] = make_window_selection(window)
     modules = _trainer_modules(trainer_module)
     for module in modules:
         check_seams(module)
     for module in modules:
-        _ORIGINALS.setdefault(module.__name__, getattr(module, SEAM))
-        setattr(module, SEAM, update)
+        for seam in REPLACED:
+            original = _ORIGINALS.setdefault((module.__name__, seam), getattr(module, seam))
+            setattr(module, seam, replacements.get(seam, original))
     return modules
 
 
 def revert_jagg(trainer_module=None):
     """Put the original seam objects back (default: every module patched so far)."""
-    names = list(_ORIGINALS) if trainer_module is None else [m.__name__ for m in _trainer_modules(trainer_module)]
-    for name in names:
-        if name in _ORIGINALS:
-            setattr(importlib.import_module(name), SEAM, _ORIGINALS.pop(name))
+    names = None if trainer_module is None else {m.__name__ for m in _trainer_modules(trainer_module)}
+    for name, seam in list(_ORIGINALS):
+        if names is None or name in names:
+            setattr(importlib.import_module(name), seam, _ORIGINALS.pop((name, seam)))
 
 
 def is_patched(trainer_module):
-    return _trainer_modules(trainer_module)[0].__name__ in _ORIGINALS
+    name = _trainer_modules(trainer_module)[0].__name__
+    return any(key[0] == name for key in _ORIGINALS)
 
 
-__all__ = ["apply_jagg", "revert_jagg", "make_policy_update", "is_patched"]
+__all__ = ["apply_jagg", "revert_jagg", "make_policy_update", "make_window_selection", "is_patched"]

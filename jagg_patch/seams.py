@@ -8,18 +8,21 @@ import importlib
 import inspect
 
 # (module attribute, its expected parameter names). `policy_update` is replaced at
-# run time; `build_parser` and `main` are what the launcher calls; `train_one_step` and
-# `FAMILY` (the model family class) are what the diagnostics drive.
+# run time, and `select_train_steps` too under the window grouping; `build_parser` and
+# `main` are what the launcher calls; `train_one_step` and `FAMILY` (the model family
+# class) are what the diagnostics drive.
 SEAMS = (
     ("policy_update", ("batch",)),
+    ("select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
     ("build_parser", ()),
     ("main", ("args",)),
     ("train_one_step", ("ctx",)),
     ("FAMILY", ("args",)),
 )
 # Fields of the seam's argument / result that the JAGG update reads or fills.
-UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps")
+UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset")
 UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups")
+TRAIN_SELECTION_FIELDS = ("steps", "num_train")
 
 
 class SeamError(RuntimeError):
@@ -49,7 +52,8 @@ def check_seams(module):
         if found != params:
             raise SeamError(f"{module.__name__}.{name} takes {found}, jagg_patch expects {params} "
                             "(see jagg_patch.seams)")
-    from dancegrpo.grpo import UpdateBatch, UpdateStats
+    from dancegrpo.grpo import TrainSelection, UpdateBatch, UpdateStats
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
+    _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)
     return module

@@ -1,7 +1,7 @@
 # Shared launcher for train_flux.sh and train_qwenimage.sh (sourced, not run).
 #
 # The caller sets: MODULE (trainer module), MODEL_NAME, HF_REPO, PREPROCESS (module),
-# MODEL_PATH, DATA_JSON, OUTPUT_DIR, CACHE_DIR, NPROC_DEFAULT, and the array RECIPE
+# MODEL_PATH, DATA_JSON, OUTPUT_DIR, CACHE_DIR, NPROC_DEFAULT, and the array MODEL_RECIPE
 # (upstream's flags where the models differ; COMMON_RECIPE below holds the shared ones).
 # This file handles the preset switch, the missing-weights message, the vanilla / JAGG switch, and the torchrun call, so
 # vanilla and JAGG runs differ in nothing but the launcher module.
@@ -40,6 +40,9 @@ JAGG="${JAGG:-0}"
 JAGG_WINDOW="${JAGG_WINDOW:-4}"
 JAGG_FRAC="${JAGG_FRAC:-0.6}"
 JAGG_MODE="${JAGG_MODE:-jagg}"
+JAGG_GROUPING="${JAGG_GROUPING:-trained}"   # trained (the paper) | window (the authors' code)
+JAGG_ALPHA="${JAGG_ALPHA:-timestep}"        # timestep (the paper) | index (the authors' code)
+JAGG_BACKWARD="${JAGG_BACKWARD:-joint}"     # joint (the paper) | split (the authors' code)
 # With JAGG=1, the module that takes "TRAINER --jagg_* flags ...": jagg_patch (training), or the
 # benchmarks' jagg_patch.bench_update / jagg_patch.fidelity, which so run with the same recipe.
 JAGG_LAUNCHER="${JAGG_LAUNCHER:-jagg_patch}"
@@ -75,11 +78,12 @@ MSG
     exit 1
   fi
   ARGS=(--pretrained_model_name_or_path "$MODEL_PATH" --data_json_path "$DATA_JSON"
-        --output_dir "$OUTPUT_DIR" --cache_dir "$CACHE_DIR" "${COMMON_RECIPE[@]}" "${RECIPE[@]}")
+        --output_dir "$OUTPUT_DIR" --cache_dir "$CACHE_DIR" "${COMMON_RECIPE[@]}" "${MODEL_RECIPE[@]}")
 fi
 
 if [[ "$JAGG" == "1" ]]; then
-  LAUNCH=(-m "$JAGG_LAUNCHER" "$MODULE" --jagg_window "$JAGG_WINDOW" --jagg_frac "$JAGG_FRAC" --jagg_mode "$JAGG_MODE")
+  LAUNCH=(-m "$JAGG_LAUNCHER" "$MODULE" --jagg_window "$JAGG_WINDOW" --jagg_frac "$JAGG_FRAC" --jagg_mode "$JAGG_MODE"
+          --jagg_grouping "$JAGG_GROUPING" --jagg_alpha "$JAGG_ALPHA" --jagg_backward "$JAGG_BACKWARD")
 elif [[ "$JAGG" == "0" ]]; then
   LAUNCH=(-m "$MODULE")
 else

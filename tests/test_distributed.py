@@ -30,3 +30,15 @@ def test_fsdp_two_ranks_gradient_equals_single_process(cache_dir, tmp_path, extr
     assert result["rel_err"] < 1e-5, result
     # rank 0 trained 4 samples x 4 transitions; the hooks saw each backward once
     assert result["transformer_backwards"] == result["transformer_forwards_grad"] == 16
+
+
+def test_fsdp_two_ranks_window_split_equals_single_process(cache_dir, tmp_path):
+    """The authors' variant (window grouping, index alpha, split backward) under FSDP1."""
+    jagg = ["--apply_jagg", "--jagg_grouping", "window", "--jagg_alpha", "index", "--jagg_backward", "split",
+            "--jagg_window", "3", "--jagg_frac", "1.0", "--timestep_fraction", "0.7"]
+    result = run_torchrun(SCRIPT, cache_dir, tmp_path / "grad.json", FAST + jagg)
+    assert result["world_size"] == 2 and result["ref_norm"] > 0
+    assert result["rel_err"] < 1e-5, result
+    # rank 0: 4 samples x 2 windows; each JAGG window (0 or 1) costs 2 backwards in 2 calls, window 2 one
+    assert result["jagg_groups"] >= 1
+    assert result["transformer_backwards"] == result["transformer_forwards_grad"] < 4 * 6

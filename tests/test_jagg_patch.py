@@ -62,6 +62,12 @@ def test_check_seams_names_a_moved_or_changed_seam():
     with pytest.raises(SeamError, match="policy_update"):
         check_seams(fake)
     fake.policy_update = lambda batch: None
+    with pytest.raises(SeamError, match="select_train_steps"):
+        check_seams(fake)
+    fake.select_train_steps = lambda num_samples, num_transitions, fraction, generator: None
+    with pytest.raises(SeamError, match="select_train_steps"):   # a renamed parameter is a changed seam
+        check_seams(fake)
+    fake.select_train_steps = lambda num_samples, num_transitions, timestep_fraction, generator: None
     check_seams(fake)
     del fake.main
     with pytest.raises(SeamError, match="main"):
@@ -75,7 +81,9 @@ def test_apply_twice_then_revert_restores_original_objects():
     apply_jagg(window=4)
     apply_jagg(window=2, jagg_frac=1.0)
     assert flux.policy_update is not originals["dancegrpo.train_grpo_flux"]
-    assert flux.policy_update.jagg_config == dict(window=2, jagg_frac=1.0, mode="jagg")
+    assert flux.policy_update.jagg_config == dict(window=2, jagg_frac=1.0, mode="jagg", alpha="timestep",
+                                                  backward="joint", grouping="trained")
+    assert flux.select_train_steps is grpo.select_train_steps   # the trained grouping keeps vanilla's choice
     assert grpo.policy_update is originals["dancegrpo.train_grpo_flux"]  # the library function is untouched
     revert_jagg()
     for name, original in originals.items():

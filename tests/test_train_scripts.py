@@ -91,3 +91,55 @@ def test_tiny_preset_runs_on_cpu(script, tmp_path, preset_cache):
     assert res.returncode == 0, res.stderr[-2000:]
     assert (tmp_path / "out" / "metrics.jsonl").is_file()
     assert "--nproc_per_node=1" in res.stderr and "--h 720" not in res.stderr
+
+
+def test_jagg_variant_env_vars(tmp_path):
+    model, data = fake_weights(tmp_path)
+    stub, log = make_stub(tmp_path), str(tmp_path / "argv")
+    env = {"MODEL_PATH": model, "DATA_JSON": data, "OUTPUT_DIR": str(tmp_path / "out"), "TORCHRUN_LOG": log,
+           "JAGG": "1", "JAGG_GROUPING": "window", "JAGG_ALPHA": "index", "JAGG_BACKWARD": "split"}
+    assert run_sh(SCRIPTS["flux"], env, stub=stub).returncode == 0
+    argv = shlex.split(open(log).read())
+    flags = dict(zip(argv[5:17:2], argv[6:17:2]))
+    assert flags == {"--jagg_window": "4", "--jagg_frac": "0.6", "--jagg_mode": "jagg", "--jagg_grouping": "window",
+                     "--jagg_alpha": "index", "--jagg_backward": "split"}
+
+
+# The first JAGG author's Qwen-Image scripts (../shared/JAGG.md; issue 9): run_standard.sh / run_jagg.sh.
+AUTHORS = dict(seed=42, train_batch_size=8, gradient_accumulation_steps=8, max_train_steps=2000, learning_rate=1e-5,
+               mixed_precision="bf16", checkpointing_steps=25, allow_tf32=True, h=720, w=720, eta=0.3,
+               sampler_seed=12627, max_grad_norm=10.0, weight_decay=1e-4, reward_terms=[("hpsv2", 1.0)], shift=3.0,
+               use_group=True, timestep_fraction=0.6, init_same_noise=True, clip_range=0.1, adv_clip_max=5.0,
+               gradient_checkpointing=True, selective_checkpointing=0.0)
+
+
+@pytest.mark.parametrize("recipe, extra, jagg", [
+    ("authors_standard", dict(sampling_steps=20, num_generations=8), None),
+    ("authors_jagg", dict(sampling_steps=21, num_generations=12),
+     dict(jagg_window=4, jagg_frac=1.0, jagg_mode="jagg", jagg_grouping="window", jagg_alpha="index",
+          jagg_backward="split")),
+])
+def test_authors_recipes(tmp_path, recipe, extra, jagg):
+    from jagg_patch.cli import add_jagg_args
+    model, data = fake_weights(tmp_path)
+    stub, log = make_stub(tmp_path), str(tmp_path / "argv")
+    env = {"MODEL_PATH": model, "DATA_JSON": data, "TORCHRUN_LOG": log, "RECIPE": recipe}
+    assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
+    argv = shlex.split(open(log).read())
+    module = "dancegrpo.train_grpo_qwenimage"
+    launcher = ["-m", module] if jagg is None else ["-m", "jagg_patch", module]
+    assert argv[2:2 + len(launcher)] == launcher
+    parser = importlib.import_module(module).build_parser()
+    args = parse_args(parser if jagg is None else add_jagg_args(parser), argv[2 + len(launcher):])
+    expected = dict(AUTHORS, **extra, **(jagg or {}))
+    assert {k: getattr(args, k) for k in expected} == expected
+    assert args.output_dir == f"data/outputs/grpo_qwenimage_{recipe}"   # the two runs do not share a folder
+    # environment variables still win over the recipe
+    env["NUM_GENERATIONS"] = "4"
+    assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
+    assert "--num_generations 4" in open(log).read()
+
+
+def test_unknown_recipe_is_an_error(tmp_path):
+    res = run_sh(SCRIPTS["qwenimage"], {"RECIPE": "authors"}, stub=make_stub(tmp_path))
+    assert res.returncode == 2 and "RECIPE must be upstream, authors_standard or authors_jagg" in res.stderr

@@ -2,6 +2,7 @@
 two ranks' halves of a batch must equal the single-process gradient over the whole batch.
 
 Usage: torchrun --nproc_per_node=2 tests/dist/fsdp_grad_check.py CACHE_DIR OUT_JSON [trainer flags]
+                [--apply_jagg --jagg_* flags]   (then through the JAGG patch, as the launcher applies it)
 """
 import dataclasses
 import json
@@ -15,7 +16,8 @@ from dancegrpo import train_grpo_flux, trainer
 from dancegrpo.args import parse_args
 from dancegrpo.distributed import full_gradients
 from dancegrpo.data import PromptEmbeddingDataset, collate_prompts
-from dancegrpo.grpo import choose_train_steps
+from jagg_patch import apply_jagg
+from jagg_patch.cli import add_jagg_args, jagg_kwargs
 
 
 def same_data_on_every_rank(ctx, ref_model, num_prompts):
@@ -33,14 +35,17 @@ def same_data_on_every_rank(ctx, ref_model, num_prompts):
             latents[:, k], latents[:, k + 1], k) for k in range(S)], dim=1)
     log_probs += 0.05 * torch.randn(n, S, generator=g)
     adv = 2 * torch.randn(n, generator=g)
-    num_train = int((S - 1) * args.timestep_fraction)
-    steps = choose_train_steps(n, S - 1, num_train, torch.Generator().manual_seed(1))
-    return cond, trainer.Rollout(latents, log_probs, [], torch.zeros(n)), adv, steps, num_train
+    # resolved like train_one_step does: the window grouping's patch applies here too
+    selection = train_grpo_flux.select_train_steps(n, S - 1, args.timestep_fraction, torch.Generator().manual_seed(1))
+    return cond, trainer.Rollout(latents, log_probs, [], torch.zeros(n)), adv, selection.steps, selection.num_train
 
 
 def main(cache_dir, out_json, flags):
-    args = parse_args(train_grpo_flux.build_parser(),
-                      ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out_json + ".d", *flags])
+    parser = add_jagg_args(train_grpo_flux.build_parser())
+    parser.add_argument("--apply_jagg", action="store_true")
+    args = parse_args(parser, ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out_json + ".d", *flags])
+    if args.apply_jagg:
+        apply_jagg(train_grpo_flux, **jagg_kwargs(args))
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
     assert isinstance(ctx.transformer, FSDP), "expected FSDP under torchrun"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -52,7 +57,7 @@ def main(cache_dir, out_json, flags):
     n = adv.numel()
     mine = torch.arange(rank * n // world, (rank + 1) * n // world)
     ctx.transformer.train()
-    trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update)
+    stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update)
     fsdp_grads = {k: g * world for k, g in full_gradients(ctx.transformer).items()}  # FSDP averages over ranks
 
     ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
@@ -65,7 +70,8 @@ def main(cache_dir, out_json, flags):
     counts = ctx.counter.as_dict()
     if rank == 0:
         with open(out_json, "w") as f:
-            json.dump({"rel_err": num / den, "ref_norm": den, "world_size": world, **counts}, f)
+            json.dump({"rel_err": num / den, "ref_norm": den, "world_size": world, "jagg_groups": stats.jagg_groups,
+                       "backward_calls": stats.backward_calls, **counts}, f)
     dist.barrier()
     dist.destroy_process_group()
 
