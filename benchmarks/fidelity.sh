@@ -6,6 +6,7 @@
 #   PRESET=small bash benchmarks/fidelity.sh           # CPU, embedded ~20M-parameter models
 #   bash benchmarks/fidelity.sh                        # real weights (one process; see REPRODUCE.md)
 #   PRESET=small MODELS=flux WINDOWS="3 4" ROLLOUTS=3 SAMPLES=4 WARMUP_STEPS=0 bash benchmarks/fidelity.sh
+#   JAGG_GROUPING=window PRESET=small bash benchmarks/fidelity.sh   # rows = trajectory windows (authors)
 #
 # Runs `python -m jagg_patch.fidelity` through the train scripts (JAGG_LAUNCHER), so the model, data
 # and geometry are the training run's. Outputs: $OUT/fidelity/<model>/w<W>/fidelity.{json,csv,md},

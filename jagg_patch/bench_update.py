@@ -1,29 +1,36 @@
-"""Update-phase micro-benchmark: vanilla vs JAGG (and exact / endpoints) on ONE rollout, in ONE process.
+"""Update-phase micro-benchmark: vanilla vs the JAGG variants on ONE rollout, in ONE process.
 
     python -m jagg_patch.bench_update dancegrpo.train_grpo_flux --preset small --output_dir runs/bench \\
-        [--jagg_window 4] [--jagg_frac 0.6] [--bench_reps 3] [--bench_unit_reps 5] \\
-        [--bench_modes vanilla,jagg,exact,endpoints] [--bench_rollout_reps 2] [--bench_json F] [--bench_md F]
+        [--jagg_window 4] [--jagg_frac 0.6] [--jagg_grouping trained|window] [--jagg_alpha timestep|index] \\
+        [--bench_reps 3] [--bench_unit_reps 5] [--bench_modes vanilla,jagg,jagg_split,exact,endpoints] \\
+        [--bench_rollout_reps 2] [--bench_json F] [--bench_md F]
+
+Modes: vanilla (dancegrpo's own seams), jagg (joint backward), jagg_split (split backward),
+exact (per-step backward of the same groups) and endpoints (the ablation, joint backward). The
+JAGG modes share --jagg_window / --jagg_frac / --jagg_alpha / --jagg_grouping; with the window
+grouping they train the windows that grouping draws (vanilla keeps its own random subset).
 
 Steps:
 1. trainer.setup + sample_reference_model: one rollout. The same rollout is re-run and timed
    --bench_rollout_reps times after every repetition of step 2; the median is the rollout time of
    a training step with these samples (sampling, decode and reward).
 2. The update phase (trainer.accumulate_policy_gradient over every rollout sample, gradients only,
-   the optimizer step is the same for all modes and left out) with the vanilla seam
-   (dancegrpo.grpo.policy_update) and with jagg_patch.make_policy_update(W, frac, mode) for each
-   mode, interleaved (the mode order rotates every repetition), --bench_reps times; medians.
+   the optimizer step is the same for all modes and left out) of each mode, interleaved (the mode
+   order rotates every repetition), --bench_reps times; medians. Then, untimed, each mode once
+   more under dancegrpo.memory.ActivationMeter: the peak of the tensors saved for backward.
 3. Unit costs on the same model and micro-batch (--update_batch_size samples, one transition),
    --bench_unit_reps times after every repetition of step 2 (same machine load): F_g forward with
    grad, F_ng forward under no_grad, B backward of one forward's graph, and B2 one joint backward
-   through two forwards' graphs (what a JAGG group does; ~2 B).
+   through two forwards' graphs (what a joint JAGG group does; ~2 B).
 
 Printed: the medians, the measured update-phase speedup of each mode vs vanilla, the speedup
-predicted from the unit costs (vanilla: n (F_g + B) per micro-batch; JAGG: per JAGG group
-2 F_g + (W-2) F_ng + 2 B, per exact group of size w: w (F_g + B)), and the whole-step speedup
-(rollout + update_vanilla) vs (rollout + update_jagg). Speedup = 1 - t_mode / t_vanilla (the
-paper's "gain", e.g. 279 s -> 228 s is 18.3%); the time ratio is given too. Two checks are printed,
-not asserted: measured update speedup >= 90% of the predicted one, and whole-step speedup >= the
-paper's (18.3% Flux, 17.2% Qwen-Image).
+predicted from the unit costs and the pass counts of the groups each sample ran (see
+jagg_patch.cost_model: JAGG 2 F_g + (w-2) F_ng + 2 B per group, exact w (F_g + B)), what the
+authors' pass schedule (w F_ng + 2 F_g + 2 B per JAGG group) would cost with the same unit
+costs, and the whole-step speedup (rollout + update_vanilla) vs (rollout + update_jagg).
+Speedup = 1 - t_mode / t_vanilla (the paper's "gain", e.g. 279 s -> 228 s is 18.3%); the time
+ratio is given too. Two checks are printed, not asserted: measured update speedup >= 90% of the
+predicted one, and whole-step speedup >= the paper's (18.3% Flux, 17.2% Qwen-Image).
 """
 import json
 import os
@@ -33,12 +40,16 @@ import time
 
 import torch
 
-from .cli import trainer_cli
-from .core import plan_groups
-from .patch import make_policy_update
+from .cli import check_trajectory, trainer_cli
+from .core import Group
+from .cost_model import sample_groups, seconds, sum_passes
+from .patch import make_policy_update, make_window_selection
 
 PAPER_STEP_GAIN = {"flux": 0.183, "qwenimage": 0.172}
-ALL_MODES = ("vanilla", "jagg", "exact", "endpoints")
+ALL_MODES = ("vanilla", "jagg", "jagg_split", "exact", "endpoints")
+# bench mode -> (JAGG mode, backward form)
+JAGG_VARIANTS = {"jagg": ("jagg", "joint"), "jagg_split": ("jagg", "split"), "exact": ("exact", "joint"),
+                 "endpoints": ("endpoints", "joint")}
 
 
 def _sync(device):
@@ -58,15 +69,6 @@ class Timer:
     def __exit__(self, *exc):
         _sync(self.device)
         self.seconds = time.perf_counter() - self.start
-
-
-def predicted_costs(num_train, window, jagg_frac, f_g, f_ng, b):
-    """Per sample cost of the update under vanilla and under the JAGG plan (same for endpoints)."""
-    vanilla = num_train * (f_g + b)
-    jagg = 0.0
-    for g in plan_groups(range(num_train), window, jagg_frac):
-        jagg += (2 * f_g + (g.size - 2) * f_ng + 2 * b) if g.jagg else g.size * (f_g + b)
-    return vanilla, jagg
 
 
 def gain(t, ref):
@@ -103,18 +105,53 @@ class UnitCosts:
         return {k: statistics.median(v) for k, v in self.samples.items()}
 
 
-def run_benchmark(module, args):
+def _setup_rollout(module, args):
     from dancegrpo import trainer
-    from dancegrpo.grpo import choose_train_steps, num_train_timesteps, policy_update as vanilla_update
-    modes = [m.strip() for m in args.bench_modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ALL_MODES]
-    if bad or "vanilla" not in modes:
-        raise SystemExit(f"error: --bench_modes must include vanilla and come from {ALL_MODES}, got {modes}")
     ctx = trainer.setup(args, module.FAMILY(args))
     cond, captions = trainer.expand_groups(args, next(ctx.loader))
     cond = {k: v.to(ctx.device) for k, v in cond.items()}
     noise_gen, host_gen = trainer.step_generators(ctx, 1)
     rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen)  # also the warm-up
+    advantages = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
+    return ctx, cond, captions, rollout, advantages, host_gen
+
+
+def _selections(args, num_samples, num_transitions, host_gen):
+    """{"vanilla": vanilla's TrainSelection, "jagg": the configured grouping's} (same draws for
+    the trained grouping, which keeps vanilla's subset)."""
+    from dancegrpo.grpo import select_train_steps
+    state = host_gen.get_state()
+    vanilla = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
+    if args.jagg_grouping == "trained":
+        return {"vanilla": vanilla, "jagg": vanilla}
+    host_gen.set_state(state)
+    return {"vanilla": vanilla, "jagg": make_window_selection(args.jagg_window)(
+        num_samples, num_transitions, args.timestep_fraction, host_gen)}
+
+
+def _predicted(args, selection, num_transitions, mode, units, schedule="project"):
+    """Update seconds of every sample's groups from the unit costs (per micro-batch of
+    --update_batch_size samples, so per sample / update_batch_size)."""
+    passes = [0, 0, 0]
+    for row in selection.steps.tolist():
+        if mode == "vanilla":
+            groups = [Group(0, (k,), False) for k in row if k >= 0]
+        else:
+            groups = sample_groups(row, num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping)
+        for i, n in enumerate(sum_passes(groups, JAGG_VARIANTS.get(mode, ("exact",))[0], schedule)):
+            passes[i] += n
+    return seconds(passes, units["f_grad"], units["f_nograd"], units["backward"]) / args.update_batch_size
+
+
+def run_benchmark(module, args):
+    from dancegrpo import trainer
+    from dancegrpo.grpo import policy_update as vanilla_update
+    from dancegrpo.memory import ActivationMeter
+    modes = [m.strip() for m in args.bench_modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in ALL_MODES]
+    if bad or "vanilla" not in modes:
+        raise SystemExit(f"error: --bench_modes must include vanilla and come from {ALL_MODES}, got {modes}")
+    ctx, cond, captions, rollout, advantages, host_gen = _setup_rollout(module, args)
     rollout_times = []
 
     def time_rollout():
@@ -123,31 +160,33 @@ def run_benchmark(module, args):
             trainer.sample_reference_model(ctx, cond, captions, gen)
         rollout_times.append(t.seconds)
 
-    advantages = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
     num_samples, num_transitions = rollout.log_probs.shape[0], rollout.log_probs.shape[1] - 1
-    n = num_train_timesteps(num_transitions, args.timestep_fraction)
-    steps = choose_train_steps(num_samples, num_transitions, n, host_gen).to(ctx.device)
-    normaliser = args.gradient_accumulation_steps * n
+    selections = _selections(args, num_samples, num_transitions, host_gen)
     all_idx = torch.arange(num_samples, device=ctx.device)
     ctx.transformer.train()
-
-    def make_batch(idx):
-        return trainer.make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
-
-    idx0 = all_idx[:args.update_batch_size]
-    unit = UnitCosts(ctx, make_batch(idx0), steps[idx0, 0], steps[idx0, -1])
     updates = {"vanilla": vanilla_update}
     for mode in modes:
         if mode != "vanilla":
-            updates[mode] = make_policy_update(args.jagg_window, args.jagg_frac, mode)
+            jagg_mode, backward = JAGG_VARIANTS[mode]
+            updates[mode] = make_policy_update(args.jagg_window, args.jagg_frac, jagg_mode, args.jagg_alpha, backward,
+                                               args.jagg_grouping)
+
+    def run_update(mode):
+        sel = selections["vanilla" if mode == "vanilla" else "jagg"]
+        trainer.accumulate_policy_gradient(ctx, rollout, cond, advantages, all_idx, sel.steps.to(ctx.device),
+                                           args.gradient_accumulation_steps * sel.num_train, updates[mode])
+
+    vanilla_steps = selections["vanilla"].steps.to(ctx.device)
+    idx0 = all_idx[:args.update_batch_size]
+    unit = UnitCosts(ctx, trainer.make_update_batch(ctx, rollout, cond, advantages, idx0, vanilla_steps[idx0], 1),
+                     vanilla_steps[idx0, 0], vanilla_steps[idx0, -1])
     times = {m: [] for m in modes}
     for rep in range(args.bench_reps + 1):  # rep 0 is warm-up, not recorded
         order = modes[rep % len(modes):] + modes[:rep % len(modes)]
         for mode in order:
             ctx.transformer.zero_grad(set_to_none=True)
             with Timer(ctx.device) as t:
-                trainer.accumulate_policy_gradient(ctx, rollout, cond, advantages, all_idx, steps, normaliser,
-                                                   updates[mode])
+                run_update(mode)
             if rep > 0:
                 times[mode].append(t.seconds)
         unit.round(args.bench_unit_reps, record=rep > 0)
@@ -155,70 +194,92 @@ def run_benchmark(module, args):
             for _ in range(args.bench_rollout_reps):
                 time_rollout()
         ctx.transformer.train()
+    peaks = {}
+    for mode in modes:  # untimed: the meter's hooks cost Python time per saved tensor
+        ctx.transformer.zero_grad(set_to_none=True)
+        with ActivationMeter() as meter:
+            run_update(mode)
+        peaks[mode] = meter.peak_mb
     ctx.transformer.zero_grad(set_to_none=True)
     ctx.counter.remove()
     units = unit.medians()
 
     rollout_s = statistics.median(rollout_times)
     med = {m: statistics.median(ts) for m, ts in times.items()}
-    micro_batches = -(-num_samples // args.update_batch_size)
-    pv, pj = predicted_costs(n, args.jagg_window, args.jagg_frac, units["f_grad"], units["f_nograd"],
-                             units["backward"])
-    pred_gain = gain(pj, pv)
+    predicted = {m: _predicted(args, selections["vanilla" if m == "vanilla" else "jagg"], num_transitions, m, units)
+                 for m in modes}
+    authors = {m: _predicted(args, selections["jagg"], num_transitions, m, units, "authors")
+               for m in modes if m in ("jagg", "jagg_split", "endpoints")}
     family = ctx.family.name
     paper = PAPER_STEP_GAIN.get(family)
+    jagg_sel = selections["jagg"]
     result = dict(
         family=family, num_params=ctx.extra["num_params"], device=str(ctx.device), torch=torch.__version__,
         threads=torch.get_num_threads(), sampling_steps=args.sampling_steps,
-        timestep_fraction=args.timestep_fraction, train_transitions=n, samples=num_samples,
-        update_batch_size=args.update_batch_size, window=args.jagg_window, jagg_frac=args.jagg_frac,
-        plan=[dict(size=g.size, jagg=g.jagg) for g in plan_groups(range(n), args.jagg_window, args.jagg_frac)],
+        timestep_fraction=args.timestep_fraction, samples=num_samples, update_batch_size=args.update_batch_size,
+        window=args.jagg_window, jagg_frac=args.jagg_frac, grouping=args.jagg_grouping, alpha=args.jagg_alpha,
+        train_transitions=int((selections["vanilla"].steps[0] >= 0).sum()),
+        jagg_train_transitions=[int((row >= 0).sum()) for row in jagg_sel.steps],
+        plan=[dict(size=g.size, jagg=g.jagg) for g in sample_groups(
+            jagg_sel.steps[0].tolist(), num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping)],
         reps=args.bench_reps, unit_costs_s=units, rollout_s=rollout_s, rollout_times_s=rollout_times,
-        update_median_s=med, update_times_s=times,
-        predicted_update_s=dict(vanilla=pv * micro_batches, jagg=pj * micro_batches),
-        predicted_update_gain=pred_gain, paper_step_gain=paper, modes={})
+        update_median_s=med, update_times_s=times, predicted_update_s=predicted,
+        predicted_update_s_authors_schedule=authors, activation_peak_mb=peaks,
+        predicted_update_gain=gain(predicted.get("jagg", predicted["vanilla"]), predicted["vanilla"]),
+        paper_step_gain=paper, modes={})
     for mode in modes:
-        measured = gain(med[mode], med["vanilla"])
-        step = gain(rollout_s + med[mode], rollout_s + med["vanilla"])
-        result["modes"][mode] = dict(update_s=med[mode], update_gain=measured, update_ratio=med["vanilla"] / med[mode],
-                                     step_s=rollout_s + med[mode], step_gain=step)
+        result["modes"][mode] = dict(update_s=med[mode], update_gain=gain(med[mode], med["vanilla"]),
+                                     update_ratio=med["vanilla"] / med[mode], step_s=rollout_s + med[mode],
+                                     step_gain=gain(rollout_s + med[mode], rollout_s + med["vanilla"]),
+                                     predicted_update_s=predicted[mode], activation_peak_mb=peaks[mode])
     j = result["modes"].get("jagg")
     if j is not None:
+        pred_gain = result["predicted_update_gain"]
         result["measured_vs_predicted"] = j["update_gain"] / pred_gain if pred_gain > 0 else float("nan")
         result["check_update_90pct_of_predicted"] = bool(result["measured_vs_predicted"] >= 0.9)
         result["check_step_gain_vs_paper"] = None if paper is None else bool(j["step_gain"] >= paper)
         # What the unit costs say the whole step would gain (rollout measured, update predicted).
-        result["predicted_step_gain"] = gain(rollout_s + pj * micro_batches, rollout_s + pv * micro_batches)
+        result["predicted_step_gain"] = gain(rollout_s + predicted["jagg"], rollout_s + predicted["vanilla"])
         # The same prediction with the measured joint backward B2 instead of 2 B (an explanation of
         # a gap, not the target: the target uses the 2 B model).
-        n_jagg = sum(g.jagg for g in plan_groups(range(n), args.jagg_window, args.jagg_frac))
-        pj2 = pj + n_jagg * (units["joint_backward_2"] - 2 * units["backward"])
-        result["predicted_update_gain_measured_b2"] = gain(pj2, pv)
+        joint_calls = sum(g.jagg for row in jagg_sel.steps.tolist() for g in sample_groups(
+            row, num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping)) / args.update_batch_size
+        pj2 = predicted["jagg"] + joint_calls * (units["joint_backward_2"] - 2 * units["backward"])
+        result["predicted_update_gain_measured_b2"] = gain(pj2, predicted["vanilla"])
     return result
 
 
 def format_report(r):
     u = r["unit_costs_s"]
     plan = ", ".join(f"{g['size']}{'J' if g['jagg'] else 'E'}" for g in r["plan"])
+    counts = sorted(set(r["jagg_train_transitions"]))
     lines = [
         f"## Update-phase micro-benchmark: {r['family']} ({r['num_params'] / 1e6:.1f}M params, {r['device']}, "
         f"torch {r['torch']}, {r['threads']} threads)",
         "",
-        f"S={r['sampling_steps']}, timestep_fraction {r['timestep_fraction']} -> {r['train_transitions']} trained "
-        f"transitions/sample; {r['samples']} samples, update micro-batch {r['update_batch_size']}; "
-        f"W={r['window']}, jagg_frac {r['jagg_frac']} -> groups [{plan}] (J = JAGG, E = exact); "
-        f"{r['reps']} interleaved reps, medians.",
+        f"S={r['sampling_steps']}, timestep_fraction {r['timestep_fraction']} -> vanilla trains {r['train_transitions']} "
+        f"transitions/sample, the JAGG modes {'/'.join(map(str, counts))}; {r['samples']} samples, update micro-batch "
+        f"{r['update_batch_size']}; W={r['window']}, jagg_frac {r['jagg_frac']}, grouping {r['grouping']}, alpha "
+        f"{r['alpha']} -> groups of sample 0 [{plan}] (J = JAGG, E = exact); {r['reps']} interleaved reps, medians.",
         "",
         f"Unit costs per micro-batch: F_grad {u['f_grad'] * 1e3:.1f} ms, F_nograd {u['f_nograd'] * 1e3:.1f} ms, "
         f"B {u['backward'] * 1e3:.1f} ms, joint B of 2 graphs {u['joint_backward_2'] * 1e3:.1f} ms "
         f"({u['joint_backward_2'] / u['backward']:.2f} B). Rollout {r['rollout_s']:.3f} s.",
         "",
-        "| mode | update s | update speedup | ratio | step s (rollout + update) | step speedup |",
-        "|---|---|---|---|---|---|",
+        "| mode | update s | predicted s | authors' schedule s | update speedup | ratio | step s (rollout + update) "
+        "| step speedup | activation peak MB |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, m in r["modes"].items():
-        lines.append(f"| {mode} | {m['update_s']:.3f} | {100 * m['update_gain']:+.1f}% | {m['update_ratio']:.2f}x | "
-                     f"{m['step_s']:.3f} | {100 * m['step_gain']:+.1f}% |")
+        authors = r["predicted_update_s_authors_schedule"].get(mode)
+        lines.append(f"| {mode} | {m['update_s']:.3f} | {m['predicted_update_s']:.3f} | "
+                     f"{'-' if authors is None else f'{authors:.3f}'} | {100 * m['update_gain']:+.1f}% | "
+                     f"{m['update_ratio']:.2f}x | {m['step_s']:.3f} | {100 * m['step_gain']:+.1f}% | "
+                     f"{m['activation_peak_mb']:.2f} |")
+    lines += ["", "predicted: this project's passes (JAGG 2 F_g + (w-2) F_ng + 2 B per group) from the unit costs; "
+              "authors' schedule: the same groups with every member forwarded without grad first "
+              "(w F_ng + 2 F_g + 2 B per JAGG group). Activation peak: tensors saved for backward "
+              "(dancegrpo.memory.ActivationMeter)."]
     if "jagg" in r["modes"]:
         j = r["modes"]["jagg"]
         p = r["predicted_update_s"]
@@ -257,6 +318,7 @@ def main(argv=None):
     g.add_argument("--bench_json", default=None, help="Write the raw numbers here (JSON).")
     g.add_argument("--bench_md", default=None, help="Write the report here (markdown).")
     args = parse_args(parser, rest)
+    check_trajectory(args)
     result = exit_on_config_error(run_benchmark)(module, args)
     if int(os.environ.get("RANK", "0")) != 0:
         return result

@@ -1,21 +1,27 @@
 """How close is the JAGG group gradient to the exact one? (the paper's cosine table)
 
     python -m jagg_patch.diagnostics dancegrpo.train_grpo_flux --preset tiny --output_dir X \\
-        [--jagg_window W] [--diag_samples N] [--diag_warmup_steps K]
+        [--jagg_window W] [--jagg_grouping trained|window] [--jagg_alpha timestep|index] \\
+        [--diag_samples N] [--diag_warmup_steps K]
 
-For ONE rollout, per group index (denoising order, all groups planned as JAGG), the
-gradient of that group summed over N samples is computed three ways: exact per-step,
-JAGG and the endpoints ablation. Printed: cosine and relative norm error to exact.
-Use it to choose --jagg_frac: route to JAGG the leading groups whose cosine is high.
+For ONE rollout, per group (denoising order, all groups planned as JAGG), the gradient of
+that group summed over N samples is computed four ways: exact per-step, JAGG with the
+timestep alpha (the paper), JAGG with the index alpha (the authors' code) and the endpoints
+ablation. Printed: cosine and relative norm error to exact. With --jagg_grouping trained a
+row is a group of W consecutive trained transitions (positions in each sample's sorted
+random subset); with window, a row is trajectory window g (transitions gW..gW+W-1, the
+paper's "groups 0-2"), measured on every sample. Use it to choose --jagg_frac: route to
+JAGG the leading groups whose cosine is high.
 """
 import sys
 
 import torch
 
-from .cli import trainer_cli
-from .core import jagg_group_backward, plan_groups
+from .cli import check_trajectory, trainer_cli
+from .core import jagg_group_backward, plan_groups, plan_windows
 
-MODES = ("exact", "jagg", "endpoints")
+# (row key, mode, alpha rule) of each approximation compared with the exact group gradient.
+VARIANTS = (("jagg", "jagg", "timestep"), ("jagg_index", "jagg", "index"), ("endpoints", "endpoints", "timestep"))
 
 
 def _trainable(model):
@@ -41,15 +47,15 @@ def select_parameters(model, pattern):
         raise ConfigError(f"--diag_params {pattern!r} matches no parameter name of the transformer")
 
 
-def _accumulate_group(ctx, make_batch, ks, group, mode, batch_size):
-    """The gradient of one group, summed over all samples, left in the parameters' .grad."""
+def _accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha="timestep"):
+    """The gradient of one group, summed over all samples, left in the parameters' .grad.
+    cols: [N, w] the group's transitions of each sample."""
     ctx.transformer.zero_grad(set_to_none=True)
-    for start in range(0, ks.shape[0], batch_size):
-        idx = torch.arange(start, min(start + batch_size, ks.shape[0]), device=ks.device)
-        batch = make_batch(idx)
-        cols = ks[idx][:, list(group.members)]
-        jagg_group_backward(lambda j: batch.predict(cols[:, j]), lambda j, v: batch.step_loss(cols[:, j], v),
-                            batch.timesteps.to(cols.device)[cols].T, mode if group.size > 1 else "exact")
+    for start in range(0, cols.shape[0], batch_size):
+        idx = torch.arange(start, min(start + batch_size, cols.shape[0]), device=cols.device)
+        batch, c = make_batch(idx), cols[idx]
+        jagg_group_backward(lambda j: batch.predict(c[:, j]), lambda j, v: batch.step_loss(c[:, j], v),
+                            batch.timesteps.to(c.device)[c].T, mode if c.shape[1] > 1 else "exact", alpha)
 
 
 def _compare_to(params, exact):
@@ -67,40 +73,52 @@ def _compare_to(params, exact):
     return cos, (diff2 / exact2) ** 0.5 if exact2 > 0 else float("nan"), exact2 ** 0.5
 
 
-def group_similarities(ctx, make_batch, steps, window, batch_size, timesteps=None):
-    """Per group index (all groups planned as JAGG): cosine and relative error of the JAGG
-    and endpoints group gradients against the exact one, over all samples in `steps` [N, n].
+def measured_groups(steps, window, grouping="trained", num_transitions=None):
+    """[(group, cols [N, w])]: every group planned as JAGG. trained: groups of the sorted
+    trained transitions `steps` [N, n]; window: every trajectory window, on every sample."""
+    if grouping == "window":
+        return [(g, torch.tensor(g.members, device=steps.device).expand(steps.shape[0], -1))
+                for g in plan_windows(num_transitions, window, 1.0)]
+    ks = steps.sort(dim=1).values
+    return [(g, ks[:, list(g.members)]) for g in plan_groups(range(ks.shape[1]), window, 1.0)]
+
+
+def group_similarities(ctx, make_batch, groups, batch_size, timesteps=None):
+    """Per group of `groups` (see measured_groups): cosine and relative error of each VARIANTS
+    group gradient against the exact one, over all samples.
 
     make_batch(sample_idx) -> UpdateBatch for those samples (the trainer's closures).
     Memory: one extra copy of the (selected) gradient, the exact one of the current group."""
-    ks = steps.sort(dim=1).values
     params = _trainable(ctx.raw_transformer)
     rows = []
-    for group in plan_groups(range(ks.shape[1]), window, 1.0):
-        _accumulate_group(ctx, make_batch, ks, group, "exact", batch_size)
+    for group, cols in groups:
+        _accumulate_group(ctx, make_batch, cols, "exact", batch_size)
         exact = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for p in params]
         row = dict(group=group.index, positions=list(group.members), size=group.size)
-        for mode in ("jagg", "endpoints"):
-            _accumulate_group(ctx, make_batch, ks, group, mode, batch_size)
-            row[f"cos_{mode}"], row[f"relerr_{mode}"], row["exact_norm"] = _compare_to(params, exact)
+        for key, mode, alpha in VARIANTS:
+            _accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha)
+            row[f"cos_{key}"], row[f"relerr_{key}"], row["exact_norm"] = _compare_to(params, exact)
         if timesteps is not None:
-            row["mean_t"] = float(timesteps.to(ks.device)[ks[:, list(group.members)]].mean())
+            row["mean_t"] = float(timesteps.to(cols.device)[cols].mean())
         rows.append(row)
         del exact
     ctx.transformer.zero_grad(set_to_none=True)
     return rows
 
 
-def format_table(rows, window):
-    head = (f"JAGG gradient vs exact, per group (window {window}; cos = cosine similarity, "
-            "relerr = |g - g_exact| / |g_exact|)\n"
-            f"{'group':>5} {'positions':<14} {'mean t':>7} {'cos JAGG':>9} {'relerr':>8} "
-            f"{'cos endpts':>10} {'relerr':>8}")
+def format_table(rows, window, grouping="trained", alpha="timestep"):
+    mark = {a: "*" if a == alpha else "" for a in ("timestep", "index")}
+    head = (f"JAGG gradient vs exact, per {'trajectory window' if grouping == 'window' else 'group'} "
+            f"(window {window}, grouping {grouping}; cos = cosine similarity, relerr = |g - g_exact| / |g_exact|; "
+            "alpha t = timestep rule, i = index rule, * = configured)\n"
+            f"{'group':>5} {'members':<16} {'mean t':>7} {'cos JAGG t' + mark['timestep']:>11} {'relerr':>8} "
+            f"{'cos JAGG i' + mark['index']:>11} {'relerr':>8} {'cos endpts':>10} {'relerr':>8}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['group']:>5} {str(r['positions']):<14} {r.get('mean_t', float('nan')):>7.3f} "
-                     f"{r['cos_jagg']:>9.4f} {r['relerr_jagg']:>8.4f} {r['cos_endpoints']:>10.4f} "
-                     f"{r['relerr_endpoints']:>8.4f}" + ("   (size 1: exact)" if r["size"] == 1 else ""))
+        lines.append(f"{r['group']:>5} {str(r['positions']):<16} {r.get('mean_t', float('nan')):>7.3f} "
+                     f"{r['cos_jagg']:>11.4f} {r['relerr_jagg']:>8.4f} {r['cos_jagg_index']:>11.4f} "
+                     f"{r['relerr_jagg_index']:>8.4f} {r['cos_endpoints']:>10.4f} {r['relerr_endpoints']:>8.4f}"
+                     + ("   (size 1: exact)" if r["size"] == 1 else ""))
     return "\n".join(lines)
 
 
@@ -126,22 +144,25 @@ def setup_diagnostics(module, args):
 def measure_rollout(ctx, args, step):
     """The per-group rows for one rollout drawn with the generators of training step `step`."""
     from dancegrpo import trainer
-    from dancegrpo.grpo import choose_train_steps, num_train_timesteps
+    from dancegrpo.grpo import select_train_steps
     noise_gen, host_gen = trainer.step_generators(ctx, step)
     cond, captions = trainer.expand_groups(args, next(ctx.loader))
     cond = {k: v.to(ctx.device) for k, v in cond.items()}
     rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen)
     advantages = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
-    num_samples = min(args.diag_samples, rollout.rewards.numel())
-    n = num_train_timesteps(rollout.log_probs.shape[1] - 1, args.timestep_fraction)
-    steps = choose_train_steps(num_samples, rollout.log_probs.shape[1] - 1, n, host_gen).to(ctx.device)
-    normaliser = args.gradient_accumulation_steps * n
+    num_samples, num_transitions = min(args.diag_samples, rollout.rewards.numel()), rollout.log_probs.shape[1] - 1
+    # Vanilla's draw: the trained grouping's groups come from it (the cosines do not depend
+    # on the loss normaliser).
+    selection = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
+    steps = selection.steps.to(ctx.device)
+    normaliser = args.gradient_accumulation_steps * selection.num_train
     ctx.transformer.train()
 
     def make_batch(idx):
         return trainer.make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
 
-    return group_similarities(ctx, make_batch, steps, args.jagg_window, args.update_batch_size, ctx.timesteps)
+    groups = measured_groups(steps, args.jagg_window, args.jagg_grouping, num_transitions)
+    return group_similarities(ctx, make_batch, groups, args.update_batch_size, ctx.timesteps)
 
 
 def add_diag_args(parser):
@@ -160,8 +181,9 @@ def main(argv=None):
     from dancegrpo.args import parse_args
     add_diag_args(parser)
     args = parse_args(parser, rest)
+    check_trajectory(args)
     rows = run_diagnostics(module, args)
-    print(format_table(rows, args.jagg_window), flush=True)
+    print(format_table(rows, args.jagg_window, args.jagg_grouping, args.jagg_alpha), flush=True)
     return rows
 
 

@@ -23,17 +23,24 @@ def run_script(name, tmp_path, cache_dir, **env):
 
 def test_speed_script(tmp_path, cache_dir):
     text, out = run_script("speed.sh", tmp_path, cache_dir, STEPS="2", BENCH_REPS="1", BENCH_UNIT_REPS="1",
-                           VARIANTS="vanilla jagg")   # the micro-benchmark still runs all four modes
-    assert "# Speed benchmark" in text and "| jagg |" in text and "| endpoints |" in text
+                           VARIANTS="vanilla jagg authors")   # the micro-benchmark still runs all five modes
+    assert "# Speed benchmark" in text and "| jagg |" in text and "| endpoints |" in text and "| jagg_split |" in text
     cmp = json.loads((out / "speed/flux/compare/comparison.json").read_text())
-    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg"]
+    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg", "authors"]
     assert all(r["steps"] == 2 for r in cmp["runs"])
-    # one JAGG group of 4 per sample: 2 backwards instead of 4 (2 samples)
+    # one JAGG group of 4 per sample: 2 backwards instead of 4 (2 samples); the authors' variant:
+    # windows (0..3), (4, 5, 6), int(2 * 0.6) = 1 trained per sample, each JAGG: 2 backwards
     assert cmp["runs"][0]["backwards_per_step"] == 8 and cmp["runs"][1]["backwards_per_step"] == 4
+    assert cmp["runs"][2]["backwards_per_step"] == 4
+    assert "grouping window, alpha index, backward split" in (out / "speed/flux/authors.log").read_text()
     for png in ("reward_curves.png", "step_times.png"):
         assert (out / "speed/flux/compare" / png).is_file()
     bench = json.loads((out / "speed/flux/bench_update.json").read_text())
-    assert set(bench["modes"]) == {"vanilla", "jagg", "exact", "endpoints"}
+    assert set(bench["modes"]) == {"vanilla", "jagg", "jagg_split", "exact", "endpoints"}
+    peaks = bench["activation_peak_mb"]
+    assert 0 < peaks["jagg_split"] < peaks["jagg"]   # one endpoint graph alive instead of two
+    authors = bench["predicted_update_s_authors_schedule"]
+    assert authors["jagg"] > bench["modes"]["jagg"]["predicted_update_s"]   # 2 more no-grad forwards per group
     assert bench["train_transitions"] == 4 and bench["plan"] == [dict(size=4, jagg=True)]
     assert "predicted_update_gain" in bench and "Check 1" in (out / "speed/flux/bench_update.md").read_text()
     assert (out / "speed/speed.md").is_file()

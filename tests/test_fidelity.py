@@ -35,6 +35,7 @@ def test_fidelity_prints_one_cosine_per_group(cache_dir, tmp_path, capsys, windo
     for row, (cj, ce) in zip(result["groups"], cosines):
         assert -1.0 <= cj <= 1.0 and -1.0 <= ce <= 1.0
         assert row["cos_jagg_mean"] == pytest.approx(cj, abs=1e-4)
+        assert -1.0 <= row["cos_jagg_index_mean"] <= 1.0    # the authors' alpha rule, averaged too
         for r in result["per_rollout"]:
             assert -1.0 - 1e-12 <= r[row["group"]]["cos_jagg"] <= 1.0 + 1e-12
     if window == 2:

@@ -8,9 +8,10 @@ FAST = ["--train_batch_size", 1, "--num_generations", 4, "--gradient_accumulatio
         "--sample_batch_size", 4, "--update_batch_size", 4, "--timestep_fraction", 1.0]
 
 
-def diag_args(make_args, window):
+def diag_args(make_args, window, grouping="trained"):
     args = make_args(*FAST)
     args.jagg_window, args.jagg_frac, args.jagg_mode = window, 1.0, "jagg"
+    args.jagg_grouping, args.jagg_alpha = grouping, "timestep"
     args.diag_samples, args.diag_warmup_steps = 4, 0
     return args
 
@@ -33,13 +34,30 @@ def test_wider_window_table(make_args):
         assert r["relerr_jagg"] < r["relerr_endpoints"]
 
 
+def test_window_grouping_rows_are_trajectory_windows(make_args):
+    """Rows = windows 0, 1, 2 of the trajectory (S 8: transitions 0-2, 3-5, 6) on every sample,
+    with both alpha rules and the ablation; a window of one member reads exact."""
+    rows = run_diagnostics(flux, diag_args(make_args, 3, "window"))
+    assert [r["positions"] for r in rows] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert rows[0]["mean_t"] > rows[1]["mean_t"] > rows[2]["mean_t"]     # high noise first
+    for r in rows[:2]:
+        for key in ("jagg", "jagg_index"):
+            assert 0.5 < r[f"cos_{key}"] < 1 - 1e-6
+        assert r["cos_jagg_index"] != r["cos_jagg"]     # the shifted schedule is not even in t
+        assert r["cos_endpoints"] < min(r["cos_jagg"], r["cos_jagg_index"])
+    for key in ("jagg", "jagg_index", "endpoints"):
+        assert rows[2][f"cos_{key}"] == pytest.approx(1.0, abs=1e-6)
+    table = format_table(rows, 3, "window", "index")
+    assert "per trajectory window" in table and "cos JAGG i*" in table
+
+
 def test_parameter_subset_measures_only_those_gradients(make_args):
     """--diag_params: backward skips the other parameters, and the numbers are those of
     the selected slice of the full gradient (checked against an explicit flat computation)."""
     import torch
     from dancegrpo import trainer
     from dancegrpo.grpo import choose_train_steps
-    from jagg_patch.diagnostics import _accumulate_group, group_similarities, select_parameters
+    from jagg_patch.diagnostics import _accumulate_group, group_similarities, measured_groups, select_parameters
     from jagg_patch.core import plan_groups
 
     args = diag_args(make_args, 3)
@@ -54,17 +72,17 @@ def test_parameter_subset_measures_only_those_gradients(make_args):
 
     names = [n for n, _ in ctx.raw_transformer.named_parameters() if n.startswith("single_transformer_blocks.0.")]
     group = plan_groups(range(7), 3, 1.0)[0]
-    ks = steps.sort(dim=1).values
+    cols = steps.sort(dim=1).values[:, list(group.members)]
     full = {}
     for mode in ("exact", "jagg"):
-        _accumulate_group(ctx, make_batch, ks, group, mode, 4)
+        _accumulate_group(ctx, make_batch, cols, mode, 4)
         full[mode] = torch.cat([dict(ctx.raw_transformer.named_parameters())[n].grad.reshape(-1).double()
                                 for n in names])
     expected_cos = float(full["jagg"] @ full["exact"] / (full["jagg"].norm() * full["exact"].norm()))
 
     select_parameters(ctx.raw_transformer, r"^single_transformer_blocks\.0\.")
     assert {n for n, p in ctx.raw_transformer.named_parameters() if p.requires_grad} == set(names)
-    row = group_similarities(ctx, make_batch, steps, 3, 4)[0]
+    row = group_similarities(ctx, make_batch, measured_groups(steps, 3), 4)[0]
     assert row["cos_jagg"] == pytest.approx(expected_cos, abs=1e-9)
     assert all(p.grad is None for p in ctx.raw_transformer.parameters() if not p.requires_grad)
     with pytest.raises(ValueError, match="matches no parameter"):
