@@ -90,6 +90,7 @@ def summarize(label, records, ma_window=10, skip_first=1):
                timed_steps=len(timed), ma_window=window,
                step_time_s=_median(timed, "step_time_s"), rollout_time_s=_median(timed, "rollout_time_s"),
                update_time_s=_median(timed, "update_time_s"),
+               activation_peak_mb=_median(records, "activation_peak_mb"),
                **{f.replace("transformer_", "") + "_per_step": _median(records, f) for f in COUNT_FIELDS},
                first_reward=rewards[0] if rewards else float("nan"),
                final_ma_reward=ma[-1] if ma else float("nan"),
@@ -139,14 +140,14 @@ def _count(x):
 
 
 COLUMNS = ["run", "steps", "step s", "rollout s", "update s", "fwd grad/step", "fwd no-grad/step", "bwd/step",
-           "final MA reward", "best MA reward", "step speedup", "update speedup"]
+           "activation peak MB", "final MA reward", "best MA reward", "step speedup", "update speedup"]
 
 
 def table_cells(row):
     return [row["label"], str(row["steps"]), _fmt(row["step_time_s"], ".3f"), _fmt(row["rollout_time_s"], ".3f"),
             _fmt(row["update_time_s"], ".3f"), _count(row["forwards_grad_per_step"]),
             _count(row["forwards_nograd_per_step"]), _count(row["backwards_per_step"]),
-            _fmt(row["final_ma_reward"], ".4f"), _fmt(row["best_ma_reward"], ".4f"),
+            _fmt(row["activation_peak_mb"], ".1f"), _fmt(row["final_ma_reward"], ".4f"), _fmt(row["best_ma_reward"], ".4f"),
             _fmt(100 * row["step_speedup"], "+.1f") + "% (" + _fmt(row["step_speedup_ratio"], ".2f") + "x)",
             _fmt(100 * row["update_speedup"], "+.1f") + "% (" + _fmt(row["update_speedup_ratio"], ".2f") + "x)"]
 

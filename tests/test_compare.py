@@ -1,6 +1,7 @@
 """jagg_patch.compare on two synthetic metrics files: values equal hand-computed ones, plots written,
 bad input exits 2 with a message."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,7 +11,8 @@ import pytest
 from jagg_patch.compare import compare, main, markdown_table, moving_average
 
 COUNTS_VANILLA = dict(transformer_forwards_grad=36, transformer_forwards_nograd=64, transformer_backwards=36)
-COUNTS_JAGG = dict(transformer_forwards_grad=20, transformer_forwards_nograd=80, transformer_backwards=20)
+COUNTS_JAGG = dict(transformer_forwards_grad=20, transformer_forwards_nograd=80, transformer_backwards=20,
+                   activation_peak_mb=114.5)   # runs from before the metric existed have none
 
 
 def write_run(path, rewards, step_times, rollout_times, counts, extra_lines=()):
@@ -53,6 +55,8 @@ def test_table_values_by_hand(two_runs):
     assert j["update_time_s"] == pytest.approx(1.0)
     assert (v["forwards_grad_per_step"], v["forwards_nograd_per_step"], v["backwards_per_step"]) == (36, 64, 36)
     assert (j["forwards_grad_per_step"], j["backwards_per_step"]) == (20, 20)
+    assert j["activation_peak_mb"] == pytest.approx(114.5) and math.isnan(v["activation_peak_mb"])
+    assert "| 114.5 |" in markdown_table(rows) and "| n/a |" in markdown_table(rows)
     # MA(3): vanilla [1, 1.5, 2, 3, 4] -> final 4, best over full windows max(2, 3, 4) = 4
     assert v["final_ma_reward"] == pytest.approx(4.0) and v["best_ma_reward"] == pytest.approx(4.0)
     # jagg rewards [0, 4, 2, 6]: MA [0, 2, 2, 4] -> final 4; full windows (2, 4) -> best 4
@@ -65,7 +69,7 @@ def test_table_values_by_hand(two_runs):
     assert j["update_speedup"] == pytest.approx(0.6)
     assert j["update_speedup_ratio"] == pytest.approx(2.5)
     table = markdown_table(rows)
-    assert "| jagg | 4 | 3.000 | 2.000 | 1.000 | 20 | 80 | 20 | 4.0000 | 4.0000 | +33.3% (1.50x) | +60.0% (2.50x) |" \
+    assert "| jagg | 4 | 3.000 | 2.000 | 1.000 | 20 | 80 | 20 | 114.5 | 4.0000 | 4.0000 | +33.3% (1.50x) | +60.0% (2.50x) |" \
         in table
 
 
