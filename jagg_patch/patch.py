@@ -83,7 +83,6 @@ def make_window_selection(window):
             steps[i, :len(row)] = torch.tensor(row)
         return TrainSelection(steps, n_train * window)
 
-    select_train_steps.jagg_window = window
     return select_train_steps
 
 
