@@ -46,22 +46,22 @@ def gather_tensor(tensor):
     return torch.cat(parts, dim=0)
 
 
+def _all_reduce_float(value, device, op):
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
 def all_reduce_mean(value, device):
     """Average a Python float over ranks."""
     if not is_distributed():
         return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    return _all_reduce_float(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
 
 
 def all_reduce_max(value, device):
     """The largest of a Python float over ranks."""
-    if not is_distributed():
-        return float(value)
-    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return _all_reduce_float(value, device, dist.ReduceOp.MAX) if is_distributed() else float(value)
 
 
 SHARDING_STRATEGIES = ("full", "hybrid_full", "hybrid_zero2", "none")

@@ -4,7 +4,7 @@ import pytest
 
 
 def test_cost_model_passes_and_implied_ratio():
-    from jagg_patch.cost_model import implied_b_over_f, paper_table, step_gain
+    from jagg_patch.cost_model import paper_table
     rows = {(r["model"], r["variant"].split(":")[0].split(",")[0]): r for r in paper_table()}
     flux, qwen = rows[("Flux", "paper")], rows[("Qwen-Image", "paper")]
     # Flux S 16: 9 trained -> [4J, 4J, 1E]: grad forwards 2+2+1, no-grad 2+2, backwards 5
@@ -19,4 +19,3 @@ def test_cost_model_passes_and_implied_ratio():
     x = qwen["implied_b_over_f"]
     assert 20 + 7 + 4 + 7 * x == pytest.approx((1 - qwen["paper_gain"]) * (20 + 11 + 11 * x), rel=1e-12)
     assert flux["predicted"][2.0] == pytest.approx(1 - (25 + 10) / (25 + 18), rel=1e-12)
-    assert implied_b_over_f is not None and step_gain is not None
