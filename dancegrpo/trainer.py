@@ -16,12 +16,12 @@ import torch
 
 from . import checkpoint as ckpt
 from .data import PromptEmbeddingDataset, infinite_prompt_batches
-from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_checkpointing, clip_grad_norm, gather_tensor,
-                          init_distributed, is_distributed, shutdown, wrap_fsdp)
+from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_checkpointing, clip_grad_norm,
+                          gather_tensor, init_distributed, is_distributed, shutdown, wrap_fsdp)
 from .ema import ParamEMA
-from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages, num_train_timesteps,
                    ppo_clip_loss, select_train_steps as vanilla_selection)
+from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
 from .rewards import WeightedReward
 from .sde import at_least_fp32, flux_step, model_timesteps, sigma_schedule

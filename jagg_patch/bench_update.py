@@ -257,8 +257,8 @@ def format_report(r):
         f"## Update-phase micro-benchmark: {r['family']} ({r['num_params'] / 1e6:.1f}M params, {r['device']}, "
         f"torch {r['torch']}, {r['threads']} threads)",
         "",
-        f"S={r['sampling_steps']}, timestep_fraction {r['timestep_fraction']} -> vanilla trains {r['train_transitions']} "
-        f"transitions/sample, the JAGG modes {'/'.join(map(str, counts))}; {r['samples']} samples, update micro-batch "
+        f"S={r['sampling_steps']}, timestep_fraction {r['timestep_fraction']} -> vanilla trains "
+        f"{r['train_transitions']} transitions/sample, the JAGG modes {'/'.join(map(str, counts))}; {r['samples']} samples, update micro-batch "
         f"{r['update_batch_size']}; W={r['window']}, jagg_frac {r['jagg_frac']}, grouping {r['grouping']}, alpha "
         f"{r['alpha']} -> groups of sample 0 [{plan}] (J = JAGG, E = exact); {r['reps']} interleaved reps, medians.",
         "",

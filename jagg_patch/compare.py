@@ -147,7 +147,8 @@ def table_cells(row):
     return [row["label"], str(row["steps"]), _fmt(row["step_time_s"], ".3f"), _fmt(row["rollout_time_s"], ".3f"),
             _fmt(row["update_time_s"], ".3f"), _count(row["forwards_grad_per_step"]),
             _count(row["forwards_nograd_per_step"]), _count(row["backwards_per_step"]),
-            _fmt(row["activation_peak_mb"], ".1f"), _fmt(row["final_ma_reward"], ".4f"), _fmt(row["best_ma_reward"], ".4f"),
+            _fmt(row["activation_peak_mb"], ".1f"), _fmt(row["final_ma_reward"], ".4f"),
+            _fmt(row["best_ma_reward"], ".4f"),
             _fmt(100 * row["step_speedup"], "+.1f") + "% (" + _fmt(row["step_speedup_ratio"], ".2f") + "x)",
             _fmt(100 * row["update_speedup"], "+.1f") + "% (" + _fmt(row["update_speedup_ratio"], ".2f") + "x)"]
 

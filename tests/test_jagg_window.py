@@ -156,12 +156,10 @@ def test_activation_peak_metric_joint_vs_split(make_args):
         assert ctx.activation_meter.live_bytes == 0
         peaks[backward] = record["activation_peak_mb"]
     assert 0 < peaks["split"] < 0.75 * peaks["joint"]
-    assert "cuda_peak_mb" not in record             # only on CUDA
 
 
 def test_activation_peak_with_checkpointing(make_args):
     """Under activation checkpointing the meter still measures, and sees less than without."""
-    revert_jagg()
     plain, _, _ = captured_step(make_args)
     ckpt, _, ctx = captured_step(make_args, "--gradient_checkpointing")
     assert 0 < ckpt["activation_peak_mb"] < plain["activation_peak_mb"]
