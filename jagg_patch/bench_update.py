@@ -258,8 +258,9 @@ def format_report(r):
         f"torch {r['torch']}, {r['threads']} threads)",
         "",
         f"S={r['sampling_steps']}, timestep_fraction {r['timestep_fraction']} -> vanilla trains "
-        f"{r['train_transitions']} transitions/sample, the JAGG modes {'/'.join(map(str, counts))}; {r['samples']} samples, update micro-batch "
-        f"{r['update_batch_size']}; W={r['window']}, jagg_frac {r['jagg_frac']}, grouping {r['grouping']}, alpha "
+        f"{r['train_transitions']} transitions/sample, the JAGG modes {'/'.join(map(str, counts))}; "
+        f"{r['samples']} samples, update micro-batch {r['update_batch_size']}; W={r['window']}, "
+        f"jagg_frac {r['jagg_frac']}, grouping {r['grouping']}, alpha "
         f"{r['alpha']} -> groups of sample 0 [{plan}] (J = JAGG, E = exact); {r['reps']} interleaved reps, medians.",
         "",
         f"Unit costs per micro-batch: F_grad {u['f_grad'] * 1e3:.1f} ms, F_nograd {u['f_nograd'] * 1e3:.1f} ms, "
