@@ -2,6 +2,7 @@
 defaults, plus this project's (preset, reward, batching, control). Flags that
 did nothing upstream are accepted and say so in their help."""
 import argparse
+import re
 import sys
 
 from . import presets
@@ -11,8 +12,15 @@ from .rewards import add_reward_args, resolve_reward_spec
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
 
 
+class TrainerArgumentParser(argparse.ArgumentParser):
+    """A flag error prints one line and a hint, not the whole usage (exit 2, as argparse)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\nhint: `{self.prog} --help` lists every flag\n")
+
+
 def build_parser(family, description=None):
-    p = argparse.ArgumentParser(description=description or f"DanceGRPO training for {family}.")
+    p = TrainerArgumentParser(description=description or f"DanceGRPO training for {family}.")
     bool_flag = dict(action=argparse.BooleanOptionalAction, default=False)
 
     g = p.add_argument_group("embedded default")
@@ -49,7 +57,14 @@ def build_parser(family, description=None):
     g.add_argument("--checkpointing_steps", type=int, default=500,
                    help="Save after every N steps' update, and always at the end.")
     g.add_argument("--resume_from_checkpoint", type=str, default=None,
-                   help="A checkpoint-STEP-EPOCH folder, or 'latest' (in --output_dir).")
+                   help="A checkpoint-STEP-EPOCH folder, or 'latest' (the newest complete one in --output_dir).")
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="Delete a previous run's metrics and checkpoints in --output_dir before starting "
+                        "(without it, a used folder is refused).")
+    g.add_argument("--allow_config_change", action="store_true",
+                   help="Resume even though flags that change the run differ from the checkpoint's.")
+    g.add_argument("--checkpoints_total_limit", type=int, default=None,
+                   help="Keep only the newest N checkpoints (default: keep all).")
     g.add_argument("--logging_dir", type=str, default="logs", help=NOOP)
     g.add_argument("--report_to", choices=["none", "wandb"], default="none",
                    help="wandb is optional and off by default.")
@@ -121,13 +136,35 @@ def _preset_from(argv, family):
     return known.preset, known.cache_dir
 
 
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+def join_negative_values(argv):
+    """['--learning_rate', '-1e-3'] -> ['--learning_rate=-1e-3']: argparse reads '-1e-3' as a flag."""
+    out = []
+    for tok in argv:
+        if out and _NEGATIVE_NUMBER.match(tok) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={tok}"
+        else:
+            out.append(tok)
+    return out
+
+
+def explicit_flags(parser, argv):
+    """The dests of the flags written on the command line (a resume keeps the checkpoint's seed
+    unless --seed is among them)."""
+    actions = parser._option_string_actions  # argparse has no public map from option string to dest
+    return sorted({actions[tok.split("=", 1)[0]].dest for tok in argv if tok.split("=", 1)[0] in actions})
+
+
 def parse_args(parser, argv=None):
     """Parse with preset defaults applied under explicit flags, then validate."""
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = join_negative_values(sys.argv[1:] if argv is None else list(argv))
     preset, cache_dir = _preset_from(argv, parser.get_default("family"))
     if preset is not None and preset in presets.preset_names(parser.get_default("family")):
         parser.set_defaults(**presets.preset_defaults(parser.get_default("family"), preset, cache_dir))
     args = parser.parse_args(argv)
+    args.explicit_flags = explicit_flags(parser, argv)
     try:
         validate_args(args)
     except ValueError as e:
@@ -157,6 +194,13 @@ def validate_args(args):
         raise ValueError("--max_train_steps must be >= 1")
     if args.checkpointing_steps < 1:
         raise ValueError("--checkpointing_steps must be >= 1")
+    if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:
+        raise ValueError("--checkpoints_total_limit must be >= 1 (omit it to keep every checkpoint)")
+    if not args.learning_rate > 0 or args.learning_rate == float("inf"):
+        raise ValueError(f"--learning_rate must be a positive number, got {args.learning_rate} "
+                         "(upstream scripts use 1e-5)")
+    if args.max_grad_norm is not None and not args.max_grad_norm > 0:
+        raise ValueError(f"--max_grad_norm must be > 0, got {args.max_grad_norm}")
     if args.clip_range <= 0 or args.adv_clip_max <= 0:
         raise ValueError("--clip_range and --adv_clip_max must be > 0")
     if not 0.0 <= args.selective_checkpointing <= 1.0:

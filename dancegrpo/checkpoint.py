@@ -2,27 +2,37 @@
 
     checkpoint-{step}-{epoch}/
         config.json, diffusion_pytorch_model.safetensors   (load with <Model>.from_pretrained(dir))
-        training_state.pt                                  (optimizer, scheduler, step, RNG: for resume)
+        training_state.pt                                  (optimizer, scheduler, step, seed: for resume)
+        run_config.json                                    (the flags of the run, for resume checks)
         ema/config.json, ema/diffusion_pytorch_model.safetensors   (with --use_ema)
+        MANIFEST.json                                      (every file's size; written last)
 
-Written into a temporary folder and renamed into place after the step's update,
-so a crash never leaves a half-written checkpoint under the final name.
+Written into `<name>.tmp` and renamed into place after the step's update, so a crash or a full
+disk never leaves a half-written checkpoint under the final name; a checkpoint saved again
+under the same name replaces the old one only once the new one is complete. Files get the
+permissions of the user's umask (safetensors alone writes 0600).
 """
+import errno
 import glob
 import json
 import os
 import re
 import shutil
+import zipfile
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 
-from .errors import ConfigError, MissingFileError
+from .errors import ConfigError, DiskFullError, MissingFileError
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 STATE_NAME = "training_state.pt"
+CONFIG_NAME = "run_config.json"
+MANIFEST_NAME = "MANIFEST.json"
+_NAME = re.compile(r"checkpoint-(\d+)-(\d+)")
 
 
 def _full_options(model):
@@ -51,47 +61,148 @@ def checkpoint_dir(output_dir, step, epoch=0):
     return os.path.join(output_dir, f"checkpoint-{step}-{epoch}")
 
 
+def _files(folder):
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def _finish_folder(folder):
+    """Umask permissions on everything, then the manifest of sizes (last: its presence means complete)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for d, _, fs in os.walk(folder):
+        os.chmod(d, 0o777 & ~umask)
+        for f in fs:
+            os.chmod(os.path.join(d, f), 0o666 & ~umask)
+    sizes = {f: os.path.getsize(os.path.join(folder, f)) for f in _files(folder)}
+    with open(os.path.join(folder, MANIFEST_NAME), "w") as f:
+        json.dump(sizes, f, indent=1)
+    os.chmod(os.path.join(folder, MANIFEST_NAME), 0o666 & ~umask)
+
+
+def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config):
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_transformer_folder(tmp, weights, config)
+    if ema_state is not None:
+        write_transformer_folder(os.path.join(tmp, "ema"), ema_state, config)
+    torch.save(state, os.path.join(tmp, STATE_NAME))
+    if run_config is not None:
+        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
+            json.dump(run_config, f, indent=1, sort_keys=True)
+    _finish_folder(tmp)
+    old = final + ".old"
+    if os.path.isdir(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def save_checkpoint(output_dir, step, epoch, model, config, optimizer, lr_scheduler, rank,
-                    ema_state=None, extra_state=None):
+                    ema_state=None, extra_state=None, run_config=None):
     """Collective: every rank calls it; rank 0 writes. Returns the final folder."""
     weights = full_model_state(model)
     optim = get_optimizer_state_dict(model, optimizer, options=_full_options(model))
     final = checkpoint_dir(output_dir, step, epoch)
     if rank == 0:
-        tmp = final + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        write_transformer_folder(tmp, weights, config)
-        if ema_state is not None:
-            write_transformer_folder(os.path.join(tmp, "ema"), ema_state, config)
-        torch.save({"step": step, "epoch": epoch, "optimizer": optim,
-                    "lr_scheduler": lr_scheduler.state_dict(), **(extra_state or {})},
-                   os.path.join(tmp, STATE_NAME))
-        if os.path.isdir(final):
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        state = {"step": step, "epoch": epoch, "optimizer": optim, "lr_scheduler": lr_scheduler.state_dict(),
+                 **(extra_state or {})}
+        try:
+            _write_checkpoint(final + ".tmp", final, weights, config, ema_state, state, run_config)
+        except OSError as e:
+            shutil.rmtree(final + ".tmp", ignore_errors=True)
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            previous = latest_checkpoint(output_dir)
+            raise DiskFullError(
+                f"no space left to write {os.path.basename(final)} in {output_dir!r} ({e.strerror}). The partial "
+                f"folder was removed; {'the previous checkpoint ' + repr(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}. "
+                "Free space, or keep fewer checkpoints with --checkpoints_total_limit N, then resume with "
+                "--resume_from_checkpoint latest.") from None
     return final
 
 
-def latest_checkpoint(output_dir):
+def checkpoint_problem(folder):
+    """Why `folder` cannot resume a run (a short reason), or None when it is complete."""
+    manifest = os.path.join(folder, MANIFEST_NAME)
+    for name in (WEIGHTS_NAME, STATE_NAME):
+        if not os.path.isfile(os.path.join(folder, name)):
+            return f"no {name}" + (" (weights only)" if name == STATE_NAME else "")
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest) as f:
+                sizes = json.load(f)
+        except ValueError:
+            return f"{MANIFEST_NAME} is unreadable"
+        for name, size in sizes.items():
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path) or os.path.getsize(path) != size:
+                return f"{name} is {'missing' if not os.path.isfile(path) else 'truncated or changed'}"
+    try:  # cheap structural checks: a safetensors header, a zip directory (torch.save's format)
+        with safe_open(os.path.join(folder, WEIGHTS_NAME), "pt") as f:
+            f.keys()
+        with zipfile.ZipFile(os.path.join(folder, STATE_NAME)):
+            pass
+    except Exception as e:  # noqa: BLE001  (any parse failure means "corrupt")
+        return f"a corrupt file ({type(e).__name__}: {e})"
+    return None
+
+
+def checkpoints_by_step(output_dir):
+    """[(step, path)] of checkpoint-STEP-EPOCH folders, newest first."""
     found = []
     for path in glob.glob(os.path.join(output_dir, "checkpoint-*-*")):
-        m = re.fullmatch(r"checkpoint-(\d+)-(\d+)", os.path.basename(path))
-        if m and os.path.isfile(os.path.join(path, WEIGHTS_NAME)):
-            found.append((int(m.group(1)), path))
-    return max(found)[1] if found else None
+        m = _NAME.fullmatch(os.path.basename(path))
+        if m and os.path.isdir(path):
+            found.append((int(m.group(1)), int(m.group(2)), path))
+    return [(s, p) for s, _, p in sorted(found, reverse=True)]
 
 
-def resolve_resume_path(spec, output_dir):
-    """'latest' -> newest checkpoint in output_dir; a path must hold weights."""
+def latest_checkpoint(output_dir, log=None):
+    """The newest checkpoint that can resume the run; newer ones that cannot are reported to `log`."""
+    for _, path in checkpoints_by_step(output_dir):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path
+        if log is not None:
+            log(f"warning: skipping {path!r} for resume: {problem}")
+    return None
+
+
+def resolve_resume_path(spec, output_dir, log=print):
+    """'latest' -> newest complete checkpoint in output_dir; a path must hold weights."""
     if spec == "latest":
-        path = latest_checkpoint(output_dir or ".")
+        path = latest_checkpoint(output_dir or ".", log=log)
         if path is None:
-            raise MissingFileError(f"--resume_from_checkpoint latest: no checkpoint-*-* folder in {output_dir!r}")
+            raise MissingFileError(f"--resume_from_checkpoint latest: no complete checkpoint-*-* folder in "
+                                   f"{output_dir!r}; start without --resume_from_checkpoint")
         return path
     if not os.path.isfile(os.path.join(spec, WEIGHTS_NAME)):
         raise MissingFileError(f"--resume_from_checkpoint {spec!r} holds no {WEIGHTS_NAME}; pass a "
                                 "checkpoint-STEP-EPOCH folder written by this trainer, or 'latest'.")
+    problem = checkpoint_problem(spec)
+    if problem and not problem.startswith(f"no {STATE_NAME}"):
+        raise ConfigError(f"--resume_from_checkpoint {spec!r} is damaged ({problem}); pass an earlier checkpoint "
+                          "or 'latest' (which skips damaged ones)")
     return spec
+
+
+def read_run_config(folder):
+    path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def prune_checkpoints(output_dir, keep, protect):
+    """Delete the oldest checkpoints beyond `keep`, never `protect` (the one just written)."""
+    if not keep:
+        return []
+    removed = []
+    for _, path in checkpoints_by_step(output_dir)[keep:]:
+        if os.path.abspath(path) != os.path.abspath(protect):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
 
 
 def load_folder_state(folder):
@@ -107,12 +218,26 @@ def load_weights_into(raw_model, folder):
 
 
 def load_training_state(folder, model, optimizer, lr_scheduler):
-    """Restore optimizer and scheduler (after FSDP wrapping); returns the saved dict (step, rng...)."""
+    """Restore optimizer and scheduler (after FSDP wrapping); returns the saved dict (step, seed...).
+
+    Parameters that never received a gradient (e.g. Qwen-Image's last text-stream output
+    projection) have no AdamW state when saved, and stay without it: strict=False allows
+    that, and a saved state naming parameters the model lacks is refused here instead."""
     path = os.path.join(folder, STATE_NAME)
     if not os.path.isfile(path):
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
+    names = {n for n, _ in _named_params(model)}
+    unknown = sorted(set(state["optimizer"].get("state", {})) - names)
+    if unknown:
+        raise ConfigError(f"Checkpoint {folder!r} holds optimizer state for parameters this model lacks "
+                          f"({unknown[:3]}); it belongs to another model or adapter setup")
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
-                             options=StateDictOptions(full_state_dict=True))
+                             options=StateDictOptions(full_state_dict=True, strict=False))
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     return state
+
+
+def _named_params(model):
+    from .distributed import clean_param_name
+    return [(clean_param_name(n), p) for n, p in model.named_parameters()]

@@ -23,8 +23,12 @@ class PromptEmbeddingDataset(Dataset):
         if not os.path.isfile(json_path):
             raise MissingFileError(f"Prompt data {json_path!r} does not exist. Create it with "
                                     "`python -m dancegrpo.preprocess.<model> ...`, or use --preset tiny.")
-        with open(json_path) as f:
-            items = json.load(f)
+        try:
+            with open(json_path) as f:
+                items = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(f"Prompt data {json_path!r} is not valid JSON ({'empty file' if os.path.getsize(json_path) == 0 else e}); "
+                              "rewrite it with `python -m dancegrpo.preprocess.<model> ...`.") from None
         if not isinstance(items, list) or not items:
             raise ConfigError(f"Prompt data {json_path!r} holds no prompts (expected a non-empty JSON list).")
         self.root = os.path.dirname(os.path.abspath(json_path))
@@ -33,6 +37,15 @@ class PromptEmbeddingDataset(Dataset):
             missing = [field for field, _ in embedding_fields.values() if field not in item]
             if missing or "caption" not in item:
                 raise ConfigError(f"Entry {i} of {json_path!r} lacks {missing or ['caption']}")
+        self.check_files(json_path)
+
+    def check_files(self, json_path):
+        """Every embedding file the JSON names exists (a missing one would otherwise crash a later step)."""
+        missing = [self.path_of(i, key) for i in range(len(self.items)) for key in self.fields
+                   if not os.path.isfile(self.path_of(i, key))]
+        if missing:
+            raise MissingFileError(f"{len(missing)} embedding file(s) named in {json_path!r} do not exist, e.g. "
+                                   f"{missing[0]!r}; rerun the preprocessing script or remove those entries.")
 
     def __len__(self):
         return len(self.items)

@@ -37,6 +37,29 @@ def shutdown():
         dist.destroy_process_group()
 
 
+def decide_on_rank0(fn, rank):
+    """Rank 0 runs fn(); every rank returns its result, or raises the ConfigError it raised.
+
+    For the choices made before loading (output folder, which checkpoint, seed) that every
+    rank must share and that only one process may make."""
+    from .errors import ConfigError
+    result, error = None, None
+    if rank == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            if not is_distributed():
+                raise
+            error = e
+    if is_distributed():
+        box = [(result, None if error is None else (type(error), str(error)))]
+        dist.broadcast_object_list(box, src=0)
+        result, err = box[0]
+        if err is not None:
+            raise (error if rank == 0 else err[0](err[1]))
+    return result
+
+
 def gather_tensor(tensor):
     """Concatenate a tensor from every rank along dim 0 (identity when not distributed)."""
     if not is_distributed():

@@ -1,4 +1,9 @@
-"""Errors caused by the user's input (paths, flags, data), reported without a traceback."""
+"""Errors the user acts on, reported as one message without a traceback.
+
+ConfigError: bad flags, paths or data, found before (or instead of) training: exit 2.
+RunHalted: the run stopped itself to keep its files clean (NaN, full disk, a signal): the
+message says which quantity or event, at which step, and what to try; exit code per kind.
+"""
 import functools
 import sys
 
@@ -11,8 +16,30 @@ class MissingFileError(ConfigError, FileNotFoundError):
     """A model folder, checkpoint or data file is not where the flags say."""
 
 
+class RunHalted(RuntimeError):
+    """The run stopped before an update or a write that would have spoiled its files."""
+    exit_code = 3
+
+
+class NonFiniteError(RunHalted):
+    """A loss, gradient norm, reward or advantage was NaN/inf: stopped before the optimizer step."""
+
+
+class DiskFullError(RunHalted):
+    """A checkpoint could not be written; the previous one is intact."""
+
+
+class Interrupted(RunHalted):
+    """SIGTERM / SIGINT / launcher gone: the run saved a checkpoint and stopped."""
+
+    def __init__(self, message, signum):
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for "ended by signal N"
+
+
 def exit_on_config_error(fn):
-    """For `__main__` entry points: print the message and exit 2 instead of a traceback."""
+    """For `__main__` entry points: print the message and exit (2 for input errors, the
+    RunHalted kind's code otherwise) instead of a traceback."""
     @functools.wraps(fn)
     def wrapper(*a, **kw):
         try:
@@ -20,4 +47,7 @@ def exit_on_config_error(fn):
         except ConfigError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
+        except RunHalted as e:
+            print(f"stopped: {e}", file=sys.stderr, flush=True)
+            sys.exit(e.exit_code)
     return wrapper

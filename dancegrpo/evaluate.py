@@ -40,6 +40,7 @@ import time
 import torch
 
 from . import presets
+from .errors import NonFiniteError
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
 from .sde import flux_step, model_timesteps, sigma_schedule
 
@@ -349,7 +350,21 @@ def table_header(metric_names):
     return head + "\n|" + "---|" * (len(metric_names) + 2)
 
 
+def nonfinite_weights(model):
+    """Names of the parameters holding NaN/inf (a diverged run's checkpoint)."""
+    return [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+
+
+def nonfinite_summary(label, path, names, reason):
+    """The row of a checkpoint that cannot be scored: flagged, with no metric to rank."""
+    return {"label": label, "checkpoint": os.path.abspath(path), "num_images": 0, "nonfinite": reason,
+            "metrics": {n: {"mean": None, "std": None, "sem": None} for n in names}}
+
+
 def table_row(summary):
+    if summary.get("nonfinite"):
+        return (f"| {summary['label']} (NON-FINITE) | 0 | "
+                + " | ".join("n/a" for _ in summary["metrics"]) + " |")
     cells = [f"{m['mean']:.4f} ± {m['sem']:.4f}" for m in summary["metrics"].values()]
     return f"| {summary['label']} | {summary['num_images']} | " + " | ".join(cells) + " |"
 
@@ -374,8 +389,15 @@ def run(args):
     summaries = []
     for label, path in args.checkpoints:
         transformer = load_transformer(transformer_cls, path, device)
-        summary = evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label, path,
-                                      device)
+        try:
+            bad = nonfinite_weights(transformer)
+            if bad:
+                raise NonFiniteError(f"{len(bad)} weight tensor(s) hold NaN/inf, e.g. {bad[0]}")
+            summary = evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label,
+                                          path, device)
+        except NonFiniteError as e:  # flagged, not ranked; the other checkpoints are still scored
+            print(f"warning: {label}: {e}", file=sys.stderr, flush=True)
+            summary = nonfinite_summary(label, path, names, str(e))
         del transformer
         summaries.append(summary)
         print(table_row(summary), flush=True)

@@ -51,18 +51,28 @@ class PassCounter:
 
 
 class MetricsWriter:
-    """metrics.jsonl (one JSON line per step) and upstream's reward.txt, on rank 0 only.
+    """metrics.jsonl (one JSON line per step, with the run id) and upstream's reward.txt (line k =
+    step k's mean reward), on rank 0 only.
 
-    Each line is flushed as it is written, so a crash loses no finished step.
+    Each line is flushed as it is written, so a crash loses no finished step. A resumed run
+    first cuts both files back to the checkpoint's step (atomically), so the steps it redoes
+    are not logged twice; a torn last line (a crash mid-write) is dropped, never glued to the
+    next record.
     """
 
-    def __init__(self, output_dir, enabled, wandb_run=None):
-        self.enabled, self.wandb_run = enabled, wandb_run
+    def __init__(self, output_dir, enabled, wandb_run=None, run_id=None, resume_step=None):
+        self.enabled, self.wandb_run, self.run_id = enabled, wandb_run, run_id
         self.metrics_path = os.path.join(output_dir, "metrics.jsonl")
         self.reward_path = os.path.join(output_dir, "reward.txt")
         self.history = []
+        if enabled:
+            keep = None if resume_step is None else resume_step
+            _rewrite_lines(self.metrics_path, lambda lines: _metrics_upto(lines, keep))
+            _rewrite_lines(self.reward_path, lambda lines: lines if keep is None else lines[:keep])
 
     def write(self, record):
+        if self.run_id is not None:
+            record = {**record, "run_id": self.run_id}
         self.history.append(record)
         if not self.enabled:
             return
@@ -82,3 +92,34 @@ class MetricsWriter:
         return (f"{n} steps | reward {first['reward_mean']:.4f} -> {last['reward_mean']:.4f} | "
                 f"{mean_time:.2f} s/step | per step: {last['transformer_forwards_grad']} grad fwd, "
                 f"{last['transformer_forwards_nograd']} no-grad fwd, {last['transformer_backwards']} bwd")
+
+
+def _metrics_upto(lines, step):
+    """The records up to and including `step` (all when None); unparseable lines are dropped."""
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if step is None or (isinstance(record, dict) and record.get("step", 0) <= step):
+            kept.append(line)
+    return kept
+
+
+def _rewrite_lines(path, keep):
+    """Replace `path` by keep(its complete lines), atomically; only if that changes it."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        text = f.read()
+    lines = text.split("\n")
+    complete = lines[:-1]  # the last piece is "" after a final newline, a torn line otherwise
+    kept = keep(complete)
+    new = "".join(line + "\n" for line in kept)
+    if new == text:
+        return
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(new)
+    os.replace(tmp, path)

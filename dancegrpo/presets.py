@@ -169,10 +169,22 @@ def materialize_preset(family, name, cache_dir, seed=0):
     return root
 
 
+def spec_defaults_for_world(defaults, num_prompts, world_size):
+    """Under torchrun, split the preset's per-step prompts and GA over the ranks when one rank
+    cannot hold them all: the ranks then train on the same global batch, and FSDP's mean over
+    ranks of (per-rank sum / GA) equals the single-process gradient."""
+    defaults = dict(defaults)
+    if world_size > 1 and defaults["train_batch_size"] * world_size > num_prompts:
+        defaults["train_batch_size"] = max(1, num_prompts // world_size)
+        defaults["gradient_accumulation_steps"] = max(1, defaults["gradient_accumulation_steps"] // world_size)
+    return defaults
+
+
 def preset_defaults(family, name, cache_dir):
     """Materialize the preset and return the flag defaults it sets."""
     root = materialize_preset(family, name, cache_dir)
-    defaults = dict(preset_spec(family, name)["defaults"])
+    spec = preset_spec(family, name)
+    defaults = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], int(os.environ.get("WORLD_SIZE", "1")))
     defaults.update(pretrained_model_name_or_path=root,
                     data_json_path=os.path.join(root, "data", "prompts.json"))
     return defaults

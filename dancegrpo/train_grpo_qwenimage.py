@@ -13,6 +13,7 @@ from .models.base import pack_latents, unpack_latents  # noqa: F401
 from .models.qwenimage import QwenImageFamily
 from .sde import flux_step, sd3_time_shift  # noqa: F401
 from .distributed import gather_tensor  # noqa: F401
+from .errors import exit_on_config_error
 from .trainer import grpo_one_step, run_sample_step, sample_reference_model  # noqa: F401
 
 FAMILY = QwenImageFamily
@@ -33,4 +34,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args(build_parser()))
+    exit_on_config_error(main)(parse_args(build_parser()))

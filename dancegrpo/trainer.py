@@ -8,8 +8,8 @@ trainer modules pass in by name so it can be patched at run time.
 """
 import contextlib
 import os
-import random
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -17,14 +17,19 @@ import torch
 from . import checkpoint as ckpt
 from .data import PromptEmbeddingDataset, infinite_prompt_batches
 from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_checkpointing, clip_grad_norm,
-                          gather_tensor, init_distributed, is_distributed, shutdown, wrap_fsdp)
+                          decide_on_rank0, gather_tensor, init_distributed, is_distributed, shutdown, wrap_fsdp)
 from .ema import ParamEMA
+from .errors import Interrupted
+from .finite import require_finite
 from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages, num_train_timesteps,
                    ppo_clip_loss, select_train_steps as vanilla_selection)
 from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
 from .rewards import WeightedReward
+from .resume import plan_run, tool_plan
+from .run_config import snapshot
 from .sde import at_least_fp32, flux_step, model_timesteps, sigma_schedule
+from .signals import StopRequest, signal_name
 
 
 @dataclass
@@ -197,9 +202,13 @@ def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update, selec
     for block in range(0, num_samples, args.gradient_accumulation_steps):
         idx = torch.arange(block, min(block + args.gradient_accumulation_steps, num_samples), device=ctx.device)
         with ctx.activation_meter:
-            stats += accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser,
-                                                policy_update)
+            block_stats = accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser,
+                                                     policy_update)
+        where = f" (optimizer step {len(grad_norms) + 1} of this step, samples {block}..{int(idx[-1])})"
+        require_finite("loss", block_stats.loss, ctx.step, ctx.device, where)
         grad_norms.append(clip_grad_norm(ctx.transformer, args.max_grad_norm))
+        require_finite("grad norm", grad_norms[-1], ctx.step, ctx.device, where)
+        stats += block_stats
         ctx.optimizer.step()
         ctx.lr_scheduler.step()
         ctx.optimizer.zero_grad(set_to_none=True)
@@ -240,7 +249,10 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
 
     rollout = sample_reference_model(ctx, cond, captions, noise_gen)
     all_rewards = gather_tensor(rollout.rewards)
+    require_finite("reward", all_rewards, ctx.step, ctx.device)
+    require_finite("rollout log-prob", rollout.log_probs, ctx.step, ctx.device)
     advantages = compute_advantages(ctx, rollout.rewards, all_rewards, host_gen)
+    require_finite("advantage", advantages, ctx.step, ctx.device)
     t_rollout = time.time()
 
     stats, grad_norms, num_train = update_policy(ctx, rollout, cond, advantages, host_gen, policy_update,
@@ -302,20 +314,18 @@ def prepare_transformer(args, family, transformer, device, world_size):
     return model
 
 
-def setup(args, family):
-    """Load models, data and reward; wrap for distributed; restore a checkpoint if asked."""
+def setup(args, family, plan=None):
+    """Load models, data and reward; wrap for distributed; restore the planned checkpoint
+    (`plan_run`'s; a tool without a run folder passes none)."""
     rank, world_size, _, device = init_distributed()
+    plan = plan or tool_plan(args)
     if args.allow_tf32 and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2 ** 31)
+    seed, resume = plan["seed"], plan["resume"]
     torch.manual_seed(seed + rank)
-    if rank == 0:
-        os.makedirs(args.output_dir, exist_ok=True)
 
     dataset = PromptEmbeddingDataset(args.data_json_path, family.embedding_fields)
     reward_fn = WeightedReward(args.reward_terms, device, args)
-    resume = ckpt.resolve_resume_path(args.resume_from_checkpoint, args.output_dir) \
-        if args.resume_from_checkpoint else None
     raw, vae = family.load(args, device)
     if resume:
         ckpt.load_weights_into(raw, resume)
@@ -346,13 +356,21 @@ def setup(args, family):
 
 
 def save(ctx, step):
+    """A checkpoint of the weights after `step`'s update, after checking they are finite; then
+    --checkpoints_total_limit retention."""
+    finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
+    require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
+                   " (checked before writing a checkpoint, which was not written)")
     ema_state = None
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
             ema_state = ckpt.full_model_state(ctx.transformer)
-    return ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.transformer, ctx.raw_transformer.config,
+    path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.transformer, ctx.raw_transformer.config,
                                 ctx.optimizer, ctx.lr_scheduler, ctx.rank, ema_state=ema_state,
-                                extra_state={"seed": ctx.seed})
+                                extra_state={"seed": ctx.seed}, run_config=snapshot(ctx.args, ctx.seed))
+    if ctx.rank == 0:
+        ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit, protect=path)
+    return path
 
 
 def describe(ctx):
@@ -378,26 +396,57 @@ def _open_wandb(args, rank):
 
 def run(args, family, train_one_step_fn):
     """The training loop. `train_one_step_fn(ctx) -> record` is the trainer module's
-    own `train_one_step`, looked up at call time so a run-time patch applies."""
+    own `train_one_step`, looked up at call time so a run-time patch applies.
+
+    Before anything is loaded, rank 0 locks the output folder and checks the resume (plan_run);
+    the lock is held until the run ends, however it ends."""
+    rank = init_distributed()[0]
+    run_id = uuid.uuid4().hex[:12]
+    held = {}
+
+    def decide():
+        held["lock"], plan = plan_run(args, run_id)
+        return plan
+
+    plan = decide_on_rank0(decide, rank)
+    stops = StopRequest().install(watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
+    try:
+        return _train(args, family, train_one_step_fn, plan, run_id, stops)
+    finally:
+        stops.uninstall()
+        if "lock" in held:
+            held["lock"].release()
+
+
+def _train(args, family, train_one_step_fn, plan, run_id, stops):
     from tqdm.auto import tqdm
-    ctx = setup(args, family)
+    ctx = setup(args, family, plan)
     main = ctx.rank == 0
-    writer = MetricsWriter(args.output_dir, enabled=main, wandb_run=_open_wandb(args, ctx.rank))
+    writer = MetricsWriter(args.output_dir, enabled=main, wandb_run=_open_wandb(args, ctx.rank), run_id=run_id,
+                           resume_step=ctx.step if plan["full_resume"] else None)
     if main:
-        print(describe(ctx), flush=True)
+        print(describe(ctx) + f" | run {run_id}", flush=True)
     bar = tqdm(total=args.max_train_steps, initial=ctx.step, desc="steps", disable=not main)
     last_saved = None
-    while ctx.step < args.max_train_steps:
-        ctx.step += 1
-        record = train_one_step_fn(ctx)
-        writer.write(record)
-        bar.update(1)
-        bar.set_postfix(reward=f"{record['reward_mean']:.4f}", loss=f"{record['loss']:.3g}",
-                        s=f"{record['step_time_s']:.2f}")
-        # After the step's update, so checkpoint-N holds N updates (upstream saved before).
-        if ctx.step % args.checkpointing_steps == 0 or ctx.step == args.max_train_steps:
-            last_saved = save(ctx, ctx.step)
-    bar.close()
+    try:
+        while ctx.step < args.max_train_steps:
+            ctx.step += 1
+            record = train_one_step_fn(ctx)
+            writer.write(record)
+            bar.update(1)
+            bar.set_postfix(reward=f"{record['reward_mean']:.4f}", loss=f"{record['loss']:.3g}",
+                            s=f"{record['step_time_s']:.2f}")
+            # After the step's update, so checkpoint-N holds N updates (upstream saved before).
+            if ctx.step % args.checkpointing_steps == 0 or ctx.step == args.max_train_steps:
+                last_saved = save(ctx, ctx.step)
+            signum = stops.pending(ctx.device)
+            if signum:
+                if last_saved != ckpt.checkpoint_dir(args.output_dir, ctx.step):
+                    last_saved = save(ctx, ctx.step)
+                raise Interrupted(f"{signal_name(signum)} after step {ctx.step}: saved {last_saved}; continue with "
+                                  "--resume_from_checkpoint latest", signum)
+    finally:
+        bar.close()
     if main:
         print(f"done: {writer.summary()}" + (f" | checkpoint {last_saved}" if last_saved else ""), flush=True)
     shutdown()

@@ -21,8 +21,11 @@ With --out DIR: comparison.json (all numbers), comparison.csv (one row per run),
 --no_plots, reward_curves.png (raw reward faint, moving average bold) and step_times.png
 (median rollout + update time per run, stacked bars).
 
-Bad input (missing folder, no or empty metrics.jsonl, a malformed line) prints an error and
-exits with status 2.
+Bad input (missing folder, no or empty metrics.jsonl, a malformed line before the last) prints
+an error and exits with status 2. Printed as warnings, the numbers still shown: a torn last line
+(a run killed mid-write; read as missing), NaN/inf in a run's reward, loss or grad norm (the run
+is marked NON-FINITE and its reward is not ranked), runs of different lengths, and fewer than
+MIN_TIMED_STEPS timed steps (too few for a timing claim).
 """
 import argparse
 import csv
@@ -33,13 +36,19 @@ import statistics
 import sys
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
+FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
+MIN_TIMED_STEPS = 3
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class CompareError(Exception):
     """Bad input; the message says what is wrong."""
 
 
-def load_metrics(run_dir):
+def load_metrics(run_dir, warn=warn):
     """The run's records, one per step in step order (the last record of a step wins)."""
     if not os.path.isdir(run_dir):
         raise CompareError(f"run folder {run_dir!r} does not exist")
@@ -49,16 +58,21 @@ def load_metrics(run_dir):
                            "(the trainer writes metrics.jsonl into its --output_dir)")
     by_step = {}
     with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+        lines = f.read().split("\n")
+    torn = len(lines) - 1 if lines[-1].strip() else -1  # a last line without its newline: cut off mid-write
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno - 1 == torn:
+                warn(f"{path}:{lineno}: torn last line (the run was stopped while writing it); read as missing")
                 continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CompareError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-            if not isinstance(record, dict) or "step" not in record:
-                raise CompareError(f"{path}:{lineno}: a metrics record needs a 'step' field")
-            by_step[record["step"]] = record
+            raise CompareError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise CompareError(f"{path}:{lineno}: a metrics record needs a 'step' field")
+        by_step[record["step"]] = record
     if not by_step:
         raise CompareError(f"{path!r} holds no steps (did the run finish its first step?)")
     return [by_step[s] for s in sorted(by_step)]
@@ -79,8 +93,20 @@ def _median(records, field):
     return statistics.median(values) if values else float("nan")
 
 
+def nonfinite_steps(records):
+    """{field: [steps]} where a reward, loss or grad norm was NaN/inf."""
+    found = {}
+    for r in records:
+        for field in FINITE_FIELDS:
+            if isinstance(r.get(field), (int, float)) and not math.isfinite(r[field]):
+                found.setdefault(field, []).append(r["step"])
+    return found
+
+
 def summarize(label, records, ma_window=10, skip_first=1):
-    """One run's row (a dict). Times are medians over the steps after the warm-up ones."""
+    """One run's row (a dict). Times are medians over the steps after the warm-up ones. A run
+    with a NaN/inf reward, loss or grad norm gets nonfinite set and NaN rewards (never "best")."""
+    bad = nonfinite_steps(records)
     rewards = [float(r["reward_mean"]) for r in records if "reward_mean" in r]
     timed = records[skip_first:] if len(records) > skip_first else records
     window = min(ma_window, len(rewards)) if rewards else 1
@@ -94,7 +120,10 @@ def summarize(label, records, ma_window=10, skip_first=1):
                **{f.replace("transformer_", "") + "_per_step": _median(records, f) for f in COUNT_FIELDS},
                first_reward=rewards[0] if rewards else float("nan"),
                final_ma_reward=ma[-1] if ma else float("nan"),
-               best_ma_reward=max(full) if full else float("nan"))
+               best_ma_reward=max(full) if full else float("nan"),
+               nonfinite="; ".join(f"{f} at steps {s[:5]}" for f, s in bad.items()))
+    if bad:
+        row.update(final_ma_reward=float("nan"), best_ma_reward=float("nan"))
     return row, rewards, ma
 
 
@@ -119,9 +148,17 @@ def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
             raise CompareError(f"two runs are labelled {label!r}; give --labels")
         records = load_metrics(run_dir)
         row, rewards, ma = summarize(label, records, ma_window, skip_first)
+        if row["nonfinite"]:
+            warn(f"run {label!r} has non-finite values ({row['nonfinite']}): it diverged; its reward is not ranked")
+        if row["timed_steps"] < MIN_TIMED_STEPS:
+            warn(f"run {label!r} has {row['timed_steps']} timed step(s) after the warm-up: too few for a timing "
+                 f"claim (want >= {MIN_TIMED_STEPS})")
         row["run_dir"] = run_dir
         rows.append(row)
         curves[label] = dict(steps=[r["step"] for r in records if "reward_mean" in r], reward=rewards, ma=ma)
+    lengths = {row["label"]: row["steps"] for row in rows}
+    if len(set(lengths.values())) > 1:
+        warn(f"runs have different lengths ({lengths}); rewards are compared over different spans")
     ref = rows[0]
     for row in rows:
         row["step_speedup"] = _gain(row["step_time_s"], ref["step_time_s"])
@@ -144,7 +181,7 @@ COLUMNS = ["run", "steps", "step s", "rollout s", "update s", "fwd grad/step", "
 
 
 def table_cells(row):
-    return [row["label"], str(row["steps"]), _fmt(row["step_time_s"], ".3f"), _fmt(row["rollout_time_s"], ".3f"),
+    return [row["label"] + (" (NON-FINITE)" if row.get("nonfinite") else ""), str(row["steps"]), _fmt(row["step_time_s"], ".3f"), _fmt(row["rollout_time_s"], ".3f"),
             _fmt(row["update_time_s"], ".3f"), _count(row["forwards_grad_per_step"]),
             _count(row["forwards_nograd_per_step"]), _count(row["backwards_per_step"]),
             _fmt(row["activation_peak_mb"], ".1f"), _fmt(row["final_ma_reward"], ".4f"),

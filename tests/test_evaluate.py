@@ -1,6 +1,7 @@
 """python -m dancegrpo.evaluate on the tiny preset: outputs, determinism, checkpoints, bad input."""
 import csv
 import json
+import math
 import os
 
 import numpy as np
@@ -131,3 +132,24 @@ def test_evaluate_qwenimage_family(cache_dir, tmp_path):
         image = Image.open(out / "images" / f"p{int(r['prompt_index']):04d}_i{int(r['image_index']):02d}.png")
         assert image.size == (64, 64)
         assert float(r["jpeg"]) == pytest.approx(-jpeg_kilobytes(image), abs=1e-6)
+
+
+def test_evaluate_flags_a_checkpoint_with_nan_weights(cache_dir, tmp_path, capsys):
+    """A diverged run's checkpoint is marked NON-FINITE with no score, not ranked; the others are scored."""
+    import torch
+    from diffusers import FluxTransformer2DModel
+    _run(cache_dir, tmp_path / "warm", "--max_prompts", "1")
+    root = os.path.join(cache_dir, "presets")
+    preset = os.path.join(root, next(d for d in os.listdir(root) if d.startswith("flux-tiny")))
+    model = FluxTransformer2DModel.from_pretrained(preset, subfolder="transformer")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    state["proj_out.weight"] = torch.full_like(state["proj_out.weight"], float("nan"))
+    write_transformer_folder(str(tmp_path / "diverged"), state, model.config)
+    capsys.readouterr()
+    summaries = _run(cache_dir, tmp_path / "cmp", "--max_prompts", "1", "--checkpoint", f"base={preset}",
+                     "--checkpoint", f"diverged={tmp_path / 'diverged'}")
+    assert "proj_out.weight" in summaries[1]["nonfinite"] and summaries[1]["metrics"]["jpeg"]["mean"] is None
+    assert summaries[0].get("nonfinite") is None and math.isfinite(summaries[0]["metrics"]["jpeg"]["mean"])
+    table = (tmp_path / "cmp" / "table.md").read_text()
+    assert "| diverged (NON-FINITE) | 0 | n/a |" in table
+    assert "diverged: 1 weight tensor(s) hold NaN/inf" in capsys.readouterr().err

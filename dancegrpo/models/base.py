@@ -4,7 +4,7 @@ import os
 import numpy as np
 import torch
 from PIL import Image
-from ..errors import MissingFileError
+from ..errors import ConfigError, MissingFileError
 
 
 def pack_latents(latents, batch_size, num_channels_latents, height, width):
@@ -52,6 +52,25 @@ def require_model_folder(path, subfolders, preset_hint):
             f"default with {preset_hint}.")
 
 
+def check_model_files(folder, fix):
+    """config.json parses and every *.safetensors header is whole, else one message naming the file."""
+    import glob
+    import json
+    from safetensors import safe_open
+    config = os.path.join(folder, "config.json")
+    try:
+        with open(config) as f:
+            json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config!r} is not valid JSON ({e}); {fix}") from None
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        try:
+            with safe_open(path, "pt") as f:
+                f.keys()
+        except Exception as e:  # noqa: BLE001  (the safetensors error type is not public API)
+            raise ConfigError(f"{path!r} is corrupt or truncated ({e}); {fix}") from None
+
+
 class ModelFamily:
     """What the shared trainer needs from a model family.
 
@@ -79,6 +98,9 @@ class ModelFamily:
         import torch
         path = args.pretrained_model_name_or_path
         require_model_folder(path, ["transformer", "vae"], "--preset tiny")
+        fix = "download the weights again (or delete the preset's cache folder to rebuild it)"
+        check_model_files(os.path.join(args.dit_model_name_or_path or path, "transformer"), fix)
+        check_model_files(os.path.join(args.vae_model_path or path, "vae"), fix)
         transformer = getattr(diffusers, self.transformer_class_name).from_pretrained(
             args.dit_model_name_or_path or path, subfolder="transformer", torch_dtype=torch.float32)
         vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -8,7 +8,7 @@ import importlib
 import math
 
 import torch
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 
 _FACTORIES = {}
 _LAZY = {
@@ -48,7 +48,12 @@ def parse_reward_spec(spec):
             w = float(weight) if weight else 1.0
         except ValueError:
             raise ConfigError(f"Bad reward weight in {part!r}; use name=weight, e.g. hpsv2=1.0") from None
+        if not math.isfinite(w):
+            raise ConfigError(f"Reward weight in {part!r} is not a finite number; use e.g. {name.strip()}=1.0")
         terms.append((name.strip(), w))
+    if terms and all(w == 0 for _, w in terms):
+        raise ConfigError(f"Every reward weight in {spec!r} is 0: nothing would be learned; give a term a "
+                          "non-zero weight")
     if not terms:
         raise ConfigError("No reward given: pass --reward NAME[=WEIGHT],... "
                          f"(available: {', '.join(available_rewards())})")
@@ -61,7 +66,7 @@ def parse_reward_spec(spec):
     return terms
 
 
-class RewardNotFiniteError(ConfigError):
+class RewardNotFiniteError(NonFiniteError):
     """A reward model returned NaN/inf: the step stops before it reaches the update
     (a user-facing error: it points at the reward model's weights or inputs)."""
 

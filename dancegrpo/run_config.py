@@ -1,0 +1,33 @@
+"""What a run was configured with, saved in each checkpoint (run_config.json) so that a
+resume can reproduce the unbroken run or say why it will not.
+
+Every flag counts except those that only say where files go, how long to run, or how to log
+(NEUTRAL): a different learning rate, reward, S, batching or JAGG setting gives a run that
+differs from the one the checkpoint belongs to.
+"""
+import json
+
+NEUTRAL = frozenset({
+    "output_dir", "resume_from_checkpoint", "max_train_steps", "checkpointing_steps", "checkpoints_total_limit",
+    "report_to", "logging_dir", "dataloader_num_workers", "cache_dir", "preset", "allow_config_change",
+    "overwrite_output_dir", "explicit_flags",
+})
+MISSING = "(not set)"
+
+
+def snapshot(args, seed):
+    """JSON-safe {flag: value} of the run, with the seed actually used."""
+    config = json.loads(json.dumps(vars(args), default=str))
+    config["seed"] = seed
+    return config
+
+
+def differences(saved, current):
+    """[(flag, saved value, current value)] over the flags that change the run."""
+    keys = (set(saved) | set(current)) - NEUTRAL
+    return [(k, saved.get(k, MISSING), current.get(k, MISSING)) for k in sorted(keys)
+            if saved.get(k, MISSING) != current.get(k, MISSING)]
+
+
+def describe_differences(diffs):
+    return "; ".join(f"--{k}: {old!r} in the checkpoint, {new!r} now" for k, old, new in diffs)
