@@ -193,13 +193,14 @@ def read_run_config(folder):
         return json.load(f)
 
 
-def prune_checkpoints(output_dir, keep, protect):
-    """Delete the oldest checkpoints beyond `keep`, never `protect` (the one just written)."""
+def prune_checkpoints(output_dir, keep, protect=()):
+    """Delete the oldest checkpoints beyond `keep`, never those in `protect` (the one just
+    written, the one the run resumed from)."""
     if not keep:
         return []
-    removed = []
+    removed, spared = [], {os.path.abspath(p) for p in protect if p}
     for _, path in checkpoints_by_step(output_dir)[keep:]:
-        if os.path.abspath(path) != os.path.abspath(protect):
+        if os.path.abspath(path) not in spared:
             shutil.rmtree(path)
             removed.append(path)
     return removed

@@ -369,7 +369,8 @@ def save(ctx, step):
                                 ctx.optimizer, ctx.lr_scheduler, ctx.rank, ema_state=ema_state,
                                 extra_state={"seed": ctx.seed}, run_config=snapshot(ctx.args, ctx.seed))
     if ctx.rank == 0:
-        ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit, protect=path)
+        ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
+                               protect=(path, ctx.extra.get("resumed_from")))
     return path
 
 

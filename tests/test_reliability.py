@@ -384,6 +384,11 @@ def test_checkpoints_total_limit_keeps_the_newest(make_args, tmp_path):
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--checkpointing_steps", 1,
                                    "--checkpoints_total_limit", 2, "--output_dir", out))
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-4-0"]
+    # A resumed run never deletes the checkpoint it resumed from.
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 5, "--checkpointing_steps", 1,
+                                   "--checkpoints_total_limit", 1, "--output_dir", out,
+                                   "--resume_from_checkpoint", out / "checkpoint-3-0"))
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-5-0"]
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(make_args, tmp_path, monkeypatch):
