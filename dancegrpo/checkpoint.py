@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
 
+from .distributed import clean_param_name
 from .errors import ConfigError, DiskFullError, MissingFileError
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -228,7 +229,7 @@ def load_training_state(folder, model, optimizer, lr_scheduler):
     if not os.path.isfile(path):
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
-    names = {n for n, _ in _named_params(model)}
+    names = {clean_param_name(n) for n, _ in model.named_parameters()}
     unknown = sorted(set(state["optimizer"].get("state", {})) - names)
     if unknown:
         raise ConfigError(f"Checkpoint {folder!r} holds optimizer state for parameters this model lacks "
@@ -238,7 +239,3 @@ def load_training_state(folder, model, optimizer, lr_scheduler):
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     return state
 
-
-def _named_params(model):
-    from .distributed import clean_param_name
-    return [(clean_param_name(n), p) for n, p in model.named_parameters()]

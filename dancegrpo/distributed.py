@@ -38,7 +38,8 @@ def shutdown():
 
 
 def decide_on_rank0(fn, rank):
-    """Rank 0 runs fn(); every rank returns its result, or raises the ConfigError it raised.
+    """Rank 0 runs fn(); every rank returns its result, or raises what it raised (a ConfigError
+    as such, anything else as RuntimeError on the other ranks).
 
     For the choices made before loading (output folder, which checkpoint, seed) that every
     rank must share and that only one process may make."""
@@ -47,16 +48,18 @@ def decide_on_rank0(fn, rank):
     if rank == 0:
         try:
             result = fn()
-        except ConfigError as e:
+        except Exception as e:  # any failure: the other ranks must not wait at the broadcast forever
             if not is_distributed():
                 raise
             error = e
     if is_distributed():
-        box = [(result, None if error is None else (type(error), str(error)))]
+        box = [(result, None if error is None else (isinstance(error, ConfigError), str(error)))]
         dist.broadcast_object_list(box, src=0)
         result, err = box[0]
         if err is not None:
-            raise (error if rank == 0 else err[0](err[1]))
+            if rank == 0:
+                raise error
+            raise (ConfigError if err[0] else RuntimeError)(err[1])
     return result
 
 
