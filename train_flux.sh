@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# DanceGRPO on Flux: upstream's 8-GPU recipe (scripts/finetune/finetune_flux_grpo.sh) as defaults.
+# DanceGRPO on Flux: upstream's recipes (scripts/finetune/finetune_flux_grpo_8gpus.sh and the
+# 2x8-GPU finetune_flux_grpo.sh) as defaults.
 #
 #   bash train_flux.sh                           # 8 GPUs, weights in data/flux, embeddings from preprocessing
+#   RECIPE=16gpu NODE_RANK=0 MASTER_ADDR=node0 bash train_flux.sh   # upstream's 2x8-GPU recipe, on each node
 #   JAGG=1 bash train_flux.sh                    # same flags, policy update through the JAGG patch
 #   JAGG=1 JAGG_MODE=endpoints bash train_flux.sh   # the paper's ablation
 #   PRESET=tiny bash train_flux.sh               # embedded tiny models on CPU, 1 process, no weights needed
 #   NPROC=4 OUTPUT_DIR=runs/f bash train_flux.sh --max_train_steps 10   # extra flags pass through
 #
 # Every value below can be overridden by an environment variable of the same name;
-# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, NPROC, TORCHRUN_ARGS: see scripts/launch.sh.
+# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
+# TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 MODULE="dancegrpo.train_grpo_flux"
 MODEL_NAME="Flux"; HF_REPO="black-forest-labs/FLUX.1-dev"; PREPROCESS="dancegrpo.preprocess.flux"
@@ -19,12 +22,25 @@ DATA_JSON="${DATA_JSON:-data/flux_rl_embeddings/videos2caption.json}"
 OUTPUT_DIR="${OUTPUT_DIR:-data/outputs/grpo_flux}"
 CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
-# Upstream's 8-GPU Flux recipe (../shared/DANCEGRPO.md, the table); shared flags: scripts/launch.sh.
+# RECIPE: 8gpu (default, upstream's finetune_flux_grpo_8gpus.sh) or 16gpu (upstream's 2x8-GPU
+# finetune_flux_grpo.sh, which its README recommends "for better convergence"); the table in
+# ../shared/DANCEGRPO.md. Environment variables still win.
+case "${RECIPE:-8gpu}" in
+  8gpu)
+    EMA_FLAGS=(--use_ema --ema_decay "${EMA_DECAY:-0.995}")
+    : "${MAX_GRAD_NORM:=0.01}" "${TRAIN_SP_BATCH_SIZE:=2}" ;;
+  16gpu)
+    EMA_FLAGS=()
+    [[ -n "${PRESET:-}" ]] || : "${NNODES:=2}"   # two nodes of 8 GPUs (a PRESET run stays on one machine)
+    : "${TRAIN_BATCH_SIZE:=1}" "${GRADIENT_ACCUMULATION_STEPS:=4}" "${MAX_GRAD_NORM:=1.0}" ;;
+  *) echo "error: RECIPE must be 8gpu or 16gpu, got '${RECIPE}'" >&2; exit 2 ;;
+esac
 MODEL_RECIPE=(
   --selective_checkpointing "${SELECTIVE_CHECKPOINTING:-1.0}"
   --checkpointing_steps "${CHECKPOINTING_STEPS:-40}"
   --sampling_steps "${SAMPLING_STEPS:-16}"
-  --max_grad_norm "${MAX_GRAD_NORM:-0.01}"
-  --use_ema --ema_decay "${EMA_DECAY:-0.995}"
+  --sampler_seed "${SAMPLER_SEED:-1223627}"
+  --max_grad_norm "${MAX_GRAD_NORM}"
+  "${EMA_FLAGS[@]}"
 )
 source "$(dirname "${BASH_SOURCE[0]}")/scripts/launch.sh"

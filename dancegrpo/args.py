@@ -6,7 +6,7 @@ import re
 import sys
 
 from . import presets
-from .distributed import SHARDING_STRATEGIES
+from .distributed import SHARDING_STRATEGIES, WEIGHT_TYPES
 from .rewards import add_reward_args, resolve_reward_spec
 
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
@@ -78,7 +78,8 @@ def build_parser(family, description=None):
     g.add_argument("--max_grad_norm", type=float, default=2.0)
     g.add_argument("--gradient_checkpointing", action="store_true")
     g.add_argument("--selective_checkpointing", type=float, default=1.0,
-                   help="Fraction of transformer blocks recomputed with --gradient_checkpointing.")
+                   help="Fraction p of transformer blocks recomputed with --gradient_checkpointing, spread "
+                        "through the stack as upstream (p 0.5: every second block).")
     g.add_argument("--allow_tf32", action="store_true")
     g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
                    help="bf16 autocast on GPU unless 'no'; CPU runs in float32.")
@@ -91,7 +92,10 @@ def build_parser(family, description=None):
     g.add_argument("--lr_num_cycles", type=int, default=1)
     g.add_argument("--lr_power", type=float, default=1.0)
     g.add_argument("--weight_decay", type=float, default=0.01)
-    g.add_argument("--master_weight_type", choices=["fp32"], default="fp32")
+    g.add_argument("--master_weight_type", choices=WEIGHT_TYPES, default=None,
+                   help="FSDP MixedPrecision dtype of parameters in forward/backward, gradient reduction "
+                        "and buffers (upstream's flag). Default: upstream's per model on GPU (Flux fp32 with "
+                        "bf16 autocast, Qwen-Image bf16); fp32 on CPU.")
 
     g = p.add_argument_group("GRPO")
     g.add_argument("--h", type=int, default=None, help="Image height (px, multiple of 16).")

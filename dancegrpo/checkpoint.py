@@ -1,8 +1,10 @@
 """Checkpoints: a diffusers drop-in transformer folder plus the training state.
 
     checkpoint-{step}-{epoch}/
-        config.json, diffusion_pytorch_model.safetensors   (load with <Model>.from_pretrained(dir))
-        training_state.pt                                  (optimizer, scheduler, step, seed: for resume)
+        config.json, diffusion_pytorch_model.safetensors   (load with <Model>.from_pretrained(dir);
+                                                            the full model, written by rank 0)
+        training_state.pt                                  (scheduler, step, seed: for resume)
+        optimizer/.metadata, optimizer/__<rank>_0.distcp   (AdamW state, one shard per rank: sharded_state)
         run_config.json                                    (the flags of the run, for resume checks)
         ema/config.json, ema/diffusion_pytorch_model.safetensors   (with --use_ema)
         MANIFEST.json                                      (every file's size; written last)
@@ -23,14 +25,15 @@ import zipfile
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_optimizer_state_dict
 
-from .distributed import clean_param_name
-from .errors import ConfigError, DiskFullError, MissingFileError
+from . import sharded_state
+from .distributed import all_reduce_max, barrier, clean_param_name
+from .errors import ConfigError, DiskFullError, MissingFileError, RunHalted
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 STATE_NAME = "training_state.pt"
+OPTIMIZER_DIR = "optimizer"
 CONFIG_NAME = "run_config.json"
 MANIFEST_NAME = "MANIFEST.json"
 _NAME = re.compile(r"checkpoint-(\d+)-(\d+)")
@@ -81,7 +84,7 @@ def _finish_folder(folder):
 
 
 def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config):
-    shutil.rmtree(tmp, ignore_errors=True)
+    """Rank 0's files into `tmp` (which already holds every rank's optimizer shard), then the rename."""
     write_transformer_folder(tmp, weights, config)
     if ema_state is not None:
         write_transformer_folder(os.path.join(tmp, "ema"), ema_state, config)
@@ -97,28 +100,60 @@ def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config)
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _is_disk_full(error):
+    """An ENOSPC / EDQUOT anywhere in `error` (DCP reports a rank's write failure wrapped, with text)."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return "No space left on device" in str(error) or "Disk quota exceeded" in str(error)
+
+
+def _disk_full(output_dir, final, error):
+    previous = latest_checkpoint(output_dir)
+    kept = f"the previous checkpoint {previous!r} is intact" if previous else "no earlier checkpoint exists"
+    why = getattr(error, "strerror", None) or error
+    return DiskFullError(
+        f"no space left to write {os.path.basename(final)} in {output_dir!r} ({why}). The partial folder was "
+        f"removed; {kept}. Free space, or keep fewer checkpoints with --checkpoints_total_limit N, then resume "
+        "with --resume_from_checkpoint latest.")
+
+
 def save_checkpoint(output_dir, step, epoch, model, config, optimizer, lr_scheduler, rank,
                     ema_state=None, extra_state=None, run_config=None):
-    """Collective: every rank calls it; rank 0 writes. Returns the final folder."""
+    """Collective: every rank calls it. Every rank writes its optimizer shard, rank 0 the full
+    weights and the rest. Returns the final folder."""
     weights = full_model_state(model)
-    optim = get_optimizer_state_dict(model, optimizer, options=_full_options(model))
     final = checkpoint_dir(output_dir, step, epoch)
+    tmp = final + ".tmp"
     if rank == 0:
-        state = {"step": step, "epoch": epoch, "optimizer": optim, "lr_scheduler": lr_scheduler.state_dict(),
-                 **(extra_state or {})}
-        try:
-            _write_checkpoint(final + ".tmp", final, weights, config, ema_state, state, run_config)
-        except OSError as e:
-            shutil.rmtree(final + ".tmp", ignore_errors=True)
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            previous = latest_checkpoint(output_dir)
-            raise DiskFullError(
-                f"no space left to write {os.path.basename(final)} in {output_dir!r} ({e.strerror}). The partial "
-                f"folder was removed; {'the previous checkpoint ' + repr(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}. "
-                "Free space, or keep fewer checkpoints with --checkpoints_total_limit N, then resume with "
-                "--resume_from_checkpoint latest.") from None
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    barrier()
+    error = None
+    try:
+        sharded_state.save_optimizer(model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
+        if rank == 0:
+            state = {"step": step, "epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), **(extra_state or {})}
+            _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config)
+    except Exception as e:  # noqa: BLE001  (DCP wraps a rank's OSError in its own exception type)
+        error = e
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Agreed over ranks (rank 0's own writes can fail alone), so no rank trains on without the checkpoint.
+    if all_reduce_max(float(error is not None), _collective_device()):
+        if error is None:
+            raise RunHalted(f"{os.path.basename(final)} could not be written (another rank's error says why); "
+                            "resume with --resume_from_checkpoint latest")
+        if _is_disk_full(error):
+            raise _disk_full(output_dir, final, error) from None
+        raise error
     return final
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def checkpoint_problem(folder):
@@ -137,6 +172,9 @@ def checkpoint_problem(folder):
             path = os.path.join(folder, name)
             if not os.path.isfile(path) or os.path.getsize(path) != size:
                 return f"{name} is {'missing' if not os.path.isfile(path) else 'truncated or changed'}"
+    optimizer_dir = os.path.join(folder, OPTIMIZER_DIR)
+    if os.path.isdir(optimizer_dir) and not sharded_state.is_complete(optimizer_dir):
+        return f"no {OPTIMIZER_DIR}/{sharded_state.METADATA} (optimizer shards incomplete)"
     try:  # cheap structural checks: a safetensors header, a zip directory (torch.save's format)
         with safe_open(os.path.join(folder, WEIGHTS_NAME), "pt") as f:
             f.keys()
@@ -173,12 +211,17 @@ def resolve_resume_path(spec, output_dir, log=print):
     if spec == "latest":
         path = latest_checkpoint(output_dir or ".", log=log)
         if path is None:
+            weights_only = sorted(glob.glob(os.path.join(output_dir or ".", "checkpoint-*", WEIGHTS_NAME)))
+            hint = (f"; to start from weights only (e.g. upstream's checkpoints) name the folder, e.g. "
+                    f"--resume_from_checkpoint {os.path.dirname(weights_only[-1])} with a new --output_dir"
+                    if weights_only else "; start without --resume_from_checkpoint")
             raise MissingFileError(f"--resume_from_checkpoint latest: no complete checkpoint-*-* folder in "
-                                   f"{output_dir!r}; start without --resume_from_checkpoint")
+                                   f"{output_dir!r}{hint}")
         return path
     if not os.path.isfile(os.path.join(spec, WEIGHTS_NAME)):
         raise MissingFileError(f"--resume_from_checkpoint {spec!r} holds no {WEIGHTS_NAME}; pass a "
-                                "checkpoint-STEP-EPOCH folder written by this trainer, or 'latest'.")
+                                "checkpoint-STEP-EPOCH folder (this trainer's, or upstream's "
+                                "checkpoint-[ema-]STEP-EPOCH for its weights), or 'latest'.")
     problem = checkpoint_problem(spec)
     if problem and not problem.startswith(f"no {STATE_NAME}"):
         raise ConfigError(f"--resume_from_checkpoint {spec!r} is damaged ({problem}); pass an earlier checkpoint "
@@ -220,22 +263,28 @@ def load_weights_into(raw_model, folder):
 
 
 def load_training_state(folder, model, optimizer, lr_scheduler):
-    """Restore optimizer and scheduler (after FSDP wrapping); returns the saved dict (step, seed...).
+    """Restore optimizer and scheduler (collective, after FSDP wrapping); returns the saved dict
+    (step, seed...), or None for a weights-only folder.
 
-    Parameters that never received a gradient (e.g. Qwen-Image's last text-stream output
-    projection) have no AdamW state when saved, and stay without it: strict=False allows
-    that, and a saved state naming parameters the model lacks is refused here instead."""
+    The optimizer comes from the per-rank shards of `optimizer/`; checkpoints of earlier versions
+    hold it whole inside training_state.pt and still load. Parameters that never received a
+    gradient (e.g. Qwen-Image's last text-stream output projection) have no AdamW state when
+    saved and stay without it; state naming parameters the model lacks is refused."""
     path = os.path.join(folder, STATE_NAME)
     if not os.path.isfile(path):
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
-    names = {clean_param_name(n) for n, _ in model.named_parameters()}
-    unknown = sorted(set(state["optimizer"].get("state", {})) - names)
+    sharded = os.path.isdir(os.path.join(folder, OPTIMIZER_DIR))
+    saved = (sharded_state.saved_parameters(os.path.join(folder, OPTIMIZER_DIR)) if sharded
+             else set(state["optimizer"].get("state", {})))
+    unknown = sorted(saved - {clean_param_name(n) for n, _ in model.named_parameters()})
     if unknown:
         raise ConfigError(f"Checkpoint {folder!r} holds optimizer state for parameters this model lacks "
                           f"({unknown[:3]}); it belongs to another model or adapter setup")
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+    if sharded:
+        sharded_state.load_optimizer(model, optimizer, os.path.join(folder, OPTIMIZER_DIR))
+    else:
+        set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
     lr_scheduler.load_state_dict(state["lr_scheduler"])
     return state
-

@@ -93,9 +93,29 @@ def all_reduce_max(value, device):
 SHARDING_STRATEGIES = ("full", "hybrid_full", "hybrid_zero2", "none")
 
 
-def wrap_fsdp(transformer, block_classes, device, sharding="full", cpu_offload=False):
-    """FSDP1 as upstream: each transformer block is a unit, fp32 master weights
-    (bf16 comes from autocast), FULL_SHARD by default."""
+WEIGHT_TYPES = ("fp32", "bf16")
+
+
+def resolve_weight_type(requested, family_gpu_default, device):
+    """--master_weight_type, or the family's upstream choice on GPU; CPU runs stay fp32
+    (bf16 gives no speedup there)."""
+    if requested:
+        return requested
+    return family_gpu_default if torch.device(device).type == "cuda" else "fp32"
+
+
+def fsdp_mixed_precision(weight_type):
+    """Upstream's FSDP MixedPrecision for --master_weight_type: every dtype (parameters in
+    forward / backward, gradient reduction, buffers) is fp32 or bf16. FSDP keeps its sharded
+    parameters, and so the optimizer state, in the dtype the model was loaded in (fp32)."""
+    from torch.distributed.fsdp import MixedPrecision
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[weight_type]
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+
+
+def wrap_fsdp(transformer, block_classes, device, sharding="full", cpu_offload=False, weight_type="fp32"):
+    """FSDP1 as upstream: each transformer block is a unit, FULL_SHARD by default, the
+    precision of `fsdp_mixed_precision(weight_type)`."""
     from torch.distributed.fsdp import CPUOffload, FullyShardedDataParallel as FSDP, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
     strategy = {"full": ShardingStrategy.FULL_SHARD, "hybrid_full": ShardingStrategy.HYBRID_SHARD,
@@ -110,6 +130,7 @@ def wrap_fsdp(transformer, block_classes, device, sharding="full", cpu_offload=F
     return FSDP(transformer, auto_wrap_policy=ModuleWrapPolicy(set(block_classes)),
                 sharding_strategy=strategy[sharding], cpu_offload=CPUOffload(offload_params=cpu_offload),
                 device_id=device, sync_module_states=not on_cpu, limit_all_gathers=True,
+                mixed_precision=fsdp_mixed_precision(weight_type),
                 # Original parameters stay visible: summon_full_params(with_grads=True) needs them.
                 use_orig_params=True)
 
@@ -124,9 +145,16 @@ def broadcast_module_states(module, src=0):
 
 
 def selected_blocks(model, block_classes, fraction):
-    """The first round(fraction * n) blocks, in module order (upstream's selective checkpointing)."""
+    """Upstream's selective checkpointing: walking the blocks in module order with i = 1, 2, ...,
+    block i is recomputed when i * fraction >= cut_off (cut_off starts at 1/2 and rises by one at
+    each pick), which spreads round(fraction * n) blocks through the stack (0.5: every second)."""
+    chosen, cut_off = set(), 0.5
     blocks = [m for m in model.modules() if isinstance(m, tuple(block_classes))]
-    return set(map(id, blocks[:int(round(fraction * len(blocks)))]))
+    for i, block in enumerate(blocks, start=1):
+        if i * fraction >= cut_off:
+            chosen.add(id(block))
+            cut_off += 1
+    return chosen
 
 
 def apply_activation_checkpointing(model, block_classes, fraction=1.0):

@@ -35,7 +35,7 @@ def write_flux_embeddings(root, prompts, text):
         name = f"{i:05d}.pt"
         torch.save(_randn((text["tokens"], text["dim"]), 1000 + i), os.path.join(root, "prompt_embed", name))
         torch.save(_randn((text["pooled_dim"],), 2000 + i), os.path.join(root, "pooled_prompt_embeds", name))
-        torch.save(torch.zeros(text["tokens"], 3), os.path.join(root, "text_ids", name))
+        torch.save(torch.zeros(3), os.path.join(root, "text_ids", name))  # one row, as upstream saves it
         items.append({"caption": prompt, "prompt_embed_path": name, "pooled_prompt_embeds_path": name,
                       "text_ids": name})
     return items

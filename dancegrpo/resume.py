@@ -28,9 +28,13 @@ def plan_run(args, run_id, log=print):
             log(f"notice: no --seed given; using the checkpoint's seed {seed} so the run continues as it was")
         if seed is None:
             seed = random.SystemRandom().randrange(2 ** 31)
-        if resume and saved is None:
-            log(f"notice: {resume!r} has no {ckpt.CONFIG_NAME}: the flags cannot be compared with the run that wrote it"
-                + ("" if full_resume else "; it holds weights only, so optimizer state and step start fresh"))
+        if resume and not full_resume:
+            log(f"notice: {resume!r} holds weights only (an upstream DanceGRPO checkpoint-STEP-EPOCH or "
+                "checkpoint-ema-STEP-EPOCH folder, or one without training state): training starts from these "
+                "weights at step 0 with FRESH optimizer state, learning-rate schedule and EMA")
+        elif resume and saved is None:
+            log(f"notice: {resume!r} has no {ckpt.CONFIG_NAME}: the flags cannot be compared with the run that "
+                "wrote it")
         diffs = differences(saved, snapshot(args, seed)) if saved else []
         if diffs and not args.allow_config_change:
             raise ConfigError(f"resuming {resume!r} with flags that change the run: {describe_differences(diffs)}. "

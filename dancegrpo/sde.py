@@ -22,10 +22,12 @@ def sigma_schedule(sampling_steps, shift):
 def model_timesteps(sigmas):
     """Timesteps the transformer sees: int(sigma * 1000) / 1000 per transition.
 
-    Upstream stores the integer part of sigma*1000 and divides by 1000 before the
-    model call; the truncation is kept so checkpoints behave identically.
+    Upstream multiplies a float32 sigma by 1000 IN FLOAT32 and truncates; in double precision
+    the product truncates one lower at some steps (S 16, shift 3: 899 / 699 instead of 900 /
+    700), so the product is taken in float32 here too and curves match upstream's.
     """
-    return torch.tensor([int(float(s) * 1000) for s in sigmas[:-1]], dtype=torch.float32) / 1000
+    products = sigmas[:-1].to(torch.float32) * 1000
+    return torch.trunc(products) / 1000
 
 
 def at_least_fp32(x):

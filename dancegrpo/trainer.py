@@ -17,7 +17,8 @@ import torch
 from . import checkpoint as ckpt
 from .data import PromptEmbeddingDataset, infinite_prompt_batches
 from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_checkpointing, clip_grad_norm,
-                          decide_on_rank0, gather_tensor, init_distributed, is_distributed, shutdown, wrap_fsdp)
+                          decide_on_rank0, gather_tensor, init_distributed, is_distributed, resolve_weight_type,
+                          shutdown, wrap_fsdp)
 from .ema import ParamEMA
 from .errors import Interrupted
 from .finite import require_finite
@@ -67,7 +68,8 @@ class TrainContext:
 
 
 def autocast(args, device):
-    """bf16 autocast on GPU, as upstream; CPU runs stay float32 (bf16 gives no speedup there)."""
+    """bf16 autocast on GPU, as upstream; CPU runs stay float32 (bf16 gives no speedup there).
+    Under FSDP with bf16 MixedPrecision (Qwen-Image on GPU) the parameters are bf16 as well."""
     if device.type == "cuda" and args.mixed_precision != "no":
         dtype = torch.float16 if args.mixed_precision == "fp16" else torch.bfloat16
         return torch.autocast("cuda", dtype=dtype)
@@ -302,11 +304,14 @@ def build_optimizer(args, model):
 
 
 def prepare_transformer(args, family, transformer, device, world_size):
-    """FSDP under torchrun (as upstream), plain module otherwise; activation checkpointing if asked."""
+    """FSDP under torchrun, plain module otherwise; activation checkpointing if asked.
+    A single process has nothing to reduce: bf16 there is the autocast of `autocast`."""
     blocks = family.block_classes(transformer)
     transformer.train()
     if world_size > 1:
-        model = wrap_fsdp(transformer, blocks, device, args.fsdp_sharding_startegy, args.use_cpu_offload)
+        weight_type = resolve_weight_type(args.master_weight_type, family.gpu_fsdp_weight_type, device)
+        model = wrap_fsdp(transformer, blocks, device, args.fsdp_sharding_startegy, args.use_cpu_offload,
+                          weight_type)
     else:
         model = transformer.to(device)
     if args.gradient_checkpointing and args.selective_checkpointing > 0:
@@ -379,7 +384,12 @@ def describe(ctx):
     n_params = ctx.extra["num_params"]
     samples = args.train_batch_size * (args.num_generations if args.use_group else 1)
     n_train = num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
-    return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s) on {ctx.device} | "
+    precision = ""
+    if ctx.world_size > 1:
+        weight_type = resolve_weight_type(args.master_weight_type, ctx.family.gpu_fsdp_weight_type, ctx.device)
+        precision = f" (FSDP {weight_type})"
+    return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s){precision} on "
+            f"{ctx.device} | "
             f"{samples} samples/rank/step, S={args.sampling_steps}, {n_train} trained transitions/sample, "
             f"GA={args.gradient_accumulation_steps} | seed {ctx.seed}"
             + (f" | resumed from {ctx.extra['resumed_from']} at step {ctx.step}" if ctx.extra.get("resumed_from") else ""))

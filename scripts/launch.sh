@@ -12,7 +12,7 @@ COMMON_RECIPE=(
   --seed "${SEED:-42}"
   --gradient_checkpointing
   --train_batch_size "${TRAIN_BATCH_SIZE:-2}"
-  --num_latent_t 1 --sp_size 1 --train_sp_batch_size 1
+  --num_latent_t 1 --sp_size 1 --train_sp_batch_size "${TRAIN_SP_BATCH_SIZE:-1}"
   --dataloader_num_workers "${DATALOADER_NUM_WORKERS:-4}"
   --gradient_accumulation_steps "${GRADIENT_ACCUMULATION_STEPS:-12}"
   --max_train_steps "${MAX_TRAIN_STEPS:-300}"
@@ -46,8 +46,23 @@ JAGG_BACKWARD="${JAGG_BACKWARD:-joint}"     # joint (the paper) | split (the aut
 # With JAGG=1, the module that takes "TRAINER --jagg_* flags ...": jagg_patch (training), or the
 # benchmarks' jagg_patch.bench_update / jagg_patch.fidelity, which so run with the same recipe.
 JAGG_LAUNCHER="${JAGG_LAUNCHER:-jagg_patch}"
-# Single node by default; e.g. TORCHRUN_ARGS="--nnodes=2 --node_rank=0 --master_addr=H --master_port=29500".
-read -r -a TORCHRUN_EXTRA <<< "${TORCHRUN_ARGS:---standalone}"
+# Nodes: one by default (torchrun --standalone). With NNODES > 1, run the same command on every
+# node with its NODE_RANK (0..NNODES-1) and the MASTER_ADDR / MASTER_PORT of node 0; NPROC is
+# per node. TORCHRUN_ARGS, when set, replaces all of this.
+NNODES="${NNODES:-1}"
+if [[ -n "${TORCHRUN_ARGS:-}" ]]; then
+  read -r -a TORCHRUN_EXTRA <<< "${TORCHRUN_ARGS}"
+elif [[ "$NNODES" == "1" ]]; then
+  TORCHRUN_EXTRA=(--standalone)
+else
+  if [[ -z "${NODE_RANK:-}" || -z "${MASTER_ADDR:-}" ]]; then
+    echo "error: NNODES=$NNODES needs NODE_RANK (0..$((NNODES - 1)), this node's) and MASTER_ADDR (node 0's" \
+         "address) on every node, e.g. NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash $0" >&2
+    exit 2
+  fi
+  TORCHRUN_EXTRA=(--nnodes="$NNODES" --node_rank="$NODE_RANK" --master_addr="$MASTER_ADDR"
+                  --master_port="${MASTER_PORT:-29500}")
+fi
 
 if [[ -n "$PRESET" ]]; then
   NPROC="${NPROC:-1}"

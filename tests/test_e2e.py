@@ -94,12 +94,22 @@ def test_bad_flags_exit_with_message(make_args, capsys, flags, message):
     assert message in capsys.readouterr().err
 
 
-def test_cli_exit_code_and_message_for_missing_weights(tmp_path, cache_dir):
-    proc = subprocess.run([sys.executable, "-m", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir",
-                           cache_dir, "--output_dir", str(tmp_path / "o"), "--pretrained_model_name_or_path",
-                           str(tmp_path / "missing")], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    assert "lacks transformer/config.json" in proc.stderr and "Traceback" not in proc.stderr
+FLUX, QWEN = "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage"
+
+
+@pytest.mark.parametrize("module,flags,message", [
+    (FLUX, ["--pretrained_model_name_or_path", "{tmp}/missing"], "lacks transformer/config.json"),
+    (QWEN, ["--pretrained_model_name_or_path", "{tmp}/missing"], "lacks transformer/config.json"),
+    (QWEN, ["--data_json_path", "{tmp}/none.json"], "does not exist"),
+    (QWEN, ["--resume_from_checkpoint", "{tmp}/nowhere"], "holds no diffusion_pytorch_model.safetensors"),
+], ids=["flux-weights", "qwen-weights", "qwen-data", "qwen-resume"])
+def test_cli_exit_code_and_message_for_user_errors(tmp_path, cache_dir, module, flags, message):
+    """Both entry points turn a user error into one message and exit 2 (no traceback)."""
+    flags = [f.format(tmp=tmp_path) for f in flags]
+    proc = subprocess.run([sys.executable, "-m", module, "--preset", "tiny", "--cache_dir", cache_dir,
+                           "--output_dir", str(tmp_path / "o"), *flags], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_nan_reward_stops_before_the_update(make_args, monkeypatch):

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS = 30
+STEPS = 45  # the tiny preset runs 30; take-off came at steps 5-15 depending on the seed
 
 
 def gain_in_stds(output_dir):
@@ -24,17 +24,32 @@ def gain_in_stds(output_dir):
     return (last - records[0]["reward_mean"]) / records[0]["reward_std"], records
 
 
-def train(cache_dir, output_dir, *extra, jagg=True):
+SEEDS = (42, 43)  # one seed's 30-step vanilla gain ranged +6 to +25 stds over seeds 1-4, 42, 43
+
+
+def launch(cache_dir, output_dir, seed, *extra, jagg=True):
     cmd = [sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_flux"] if jagg else \
         [sys.executable, "-m", "dancegrpo.train_grpo_flux"]
     cmd += ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", str(output_dir),
-            "--max_train_steps", str(STEPS), *extra]
+            "--max_train_steps", str(STEPS), "--seed", str(seed), *extra]
     if jagg:
         cmd += ["--jagg_window", "4", "--jagg_frac", "0.6"]
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return gain_in_stds(output_dir)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def train(cache_dir, output_dir, *extra, jagg=True):
+    """Mean gain over SEEDS (the seeds' runs side by side, one core each) and every run's records."""
+    procs = [(launch(cache_dir, f"{output_dir}-{seed}", seed, *extra, jagg=jagg), f"{output_dir}-{seed}")
+             for seed in SEEDS]
+    gains, records = [], []
+    for proc, out in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+        gain, recs = gain_in_stds(out)
+        gains.append(gain)
+        records += recs
+    return sum(gains) / len(gains), records
 
 
 @pytest.mark.slow
@@ -42,9 +57,9 @@ def test_tiny_jagg_learns_like_vanilla_and_beats_control(cache_dir, tmp_path):
     vanilla, _ = train(cache_dir, tmp_path / "vanilla", jagg=False)
     jagg, records = train(cache_dir, tmp_path / "jagg")
     control, _ = train(cache_dir, tmp_path / "control", "--shuffle_advantages")
-    print(f"gain in initial reward stds over {STEPS} steps: vanilla {vanilla:+.1f}, JAGG {jagg:+.1f}, "
-          f"JAGG shuffled-advantage control {control:+.1f}")
+    print(f"gain in initial reward stds over {STEPS} steps, mean of seeds {SEEDS}: vanilla {vanilla:+.1f}, "
+          f"JAGG {jagg:+.1f}, JAGG shuffled-advantage control {control:+.1f}")
     assert all(r["jagg_groups"] == r["samples"] and r["transformer_backwards"] == 2 * r["samples"] for r in records)
-    assert vanilla > 5.0 and vanilla > control + 5.0  # vanilla DanceGRPO learns (measured +16.5)
-    assert jagg > 5.0 and jagg > control + 5.0     # the control moved -1.1..+1.2 stds in prototypes
+    assert vanilla > 5.0 and vanilla > control + 5.0  # vanilla DanceGRPO learns
+    assert jagg > 5.0 and jagg > control + 5.0
     assert jagg > 0.4 * vanilla                    # learns like vanilla, not just "a bit"

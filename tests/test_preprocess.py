@@ -97,7 +97,8 @@ def test_flux_preprocess_matches_pipeline_and_trains(flux_text, prompt_file, tmp
     ds = PromptEmbeddingDataset(os.path.join(out, common.INDEX_NAME), FluxFamily.embedding_fields)
     item = ds[2]
     assert item["encoder_hidden_states"].shape == (8, 32) and item["pooled_prompt_embeds"].shape == (32,)
-    assert item["text_ids"].shape == (8, 3)
+    # Upstream's layout: one [3] row per prompt, which upstream's trainer repeats to [T, 3].
+    assert item["text_ids"].shape == (3,)
     from diffusers import FluxPipeline
     from transformers import AutoTokenizer, CLIPTextModel, T5EncoderModel
     pipe = FluxPipeline(scheduler=None, vae=None, transformer=None,
@@ -106,7 +107,10 @@ def test_flux_preprocess_matches_pipeline_and_trains(flux_text, prompt_file, tmp
                         text_encoder_2=T5EncoderModel.from_pretrained(flux_text, subfolder="text_encoder_2"),
                         tokenizer_2=AutoTokenizer.from_pretrained(flux_text, subfolder="tokenizer_2"))
     with torch.no_grad():
-        embeds, pooled, _ = pipe.encode_prompt(PROMPTS[2], prompt_2=None, max_sequence_length=8)
+        embeds, pooled, ref_text_ids = pipe.encode_prompt(PROMPTS[2], prompt_2=None, max_sequence_length=8)
+    # What upstream's trainer does with the file: load the row, repeat it to [T, 3].
+    upstream_ids = torch.load(os.path.join(out, "text_ids", entries[2]["text_ids"]), weights_only=True)
+    torch.testing.assert_close(upstream_ids.repeat(8, 1), ref_text_ids.to(upstream_ids.dtype))
     torch.testing.assert_close(item["encoder_hidden_states"], embeds[0], atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(item["pooled_prompt_embeds"], pooled[0], atol=1e-5, rtol=1e-4)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dancegrpo import checkpoint as ckpt
+from dancegrpo import checkpoint as ckpt, sharded_state
 from dancegrpo import train_grpo_flux, train_grpo_qwenimage
 from dancegrpo.errors import ConfigError, DiskFullError, MissingFileError, NonFiniteError
 from dancegrpo.rundir import RunLock
@@ -121,8 +121,9 @@ def test_params_without_gradient_keep_no_optimizer_state(make_args, tmp_path):
     lacks it and resuming must accept that (it failed on every Qwen checkpoint)."""
     train_grpo_qwenimage.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", tmp_path / "q",
                                         module="dancegrpo.train_grpo_qwenimage"))
-    state = torch.load(tmp_path / "q" / "checkpoint-1-0" / "training_state.pt", weights_only=False)
-    assert "transformer_blocks.0.attn.to_add_out.weight" not in state["optimizer"]["state"]
+    saved = sharded_state.saved_parameters(str(tmp_path / "q" / "checkpoint-1-0" / "optimizer"))
+    assert "transformer_blocks.0.attn.to_add_out.weight" not in saved
+    assert "transformer_blocks.0.attn.to_out.0.weight" in saved and "proj_out.weight" in saved
 
 
 # ------------------------------------------------------------------ 3. never train on NaN
@@ -414,5 +415,9 @@ def test_checkpoint_files_follow_the_umask(make_args, tmp_path):
     finally:
         os.umask(old)
     folder = tmp_path / "out" / "checkpoint-1-0"
-    for name in os.listdir(folder):
-        assert os.stat(folder / name).st_mode & 0o777 == 0o644, name
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            assert os.stat(os.path.join(root, name)).st_mode & 0o777 == 0o755, name
+        for name in files:
+            assert os.stat(os.path.join(root, name)).st_mode & 0o777 == 0o644, name
+    assert os.listdir(folder / "optimizer")  # the shards are among the files checked

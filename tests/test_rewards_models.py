@@ -5,10 +5,10 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
-from torchvision.transforms import InterpolationMode
-from torchvision.transforms import functional as TF
+from PIL import Image
 
 from dancegrpo.rewards import RewardNotFiniteError, WeightedReward, add_reward_args
 from tiny_models import options, random_images
@@ -28,15 +28,16 @@ def _hps_reference_matrix(ckpt_dir, config_path, images, prompts):
     model.load_state_dict(torch.load(os.path.join(ckpt_dir, "HPS_v2.1_compressed.pt"))["state_dict"])
     model.eval()
     pix = []
-    for im in images:  # hpsv2's preprocess_val(light_augmentation=True), per image
-        x = TF.to_tensor(im.convert("RGB"))
-        h, w = x.shape[1:]
+    for im in images:  # hpsv2's preprocess_val(light_augmentation=True) on the PIL image, in plain PIL
+        w, h = im.size
         s = 224 / max(h, w)
         if s != 1.0:
             nh, nw = round(h * s), round(w * s)
-            x = TF.resize(x, [nh, nw], InterpolationMode.BICUBIC)
-            x = TF.pad(x, [(224 - nw) // 2, (224 - nh) // 2, 224 - nw - (224 - nw) // 2, 224 - nh - (224 - nh) // 2])
-        pix.append(TF.normalize(x, OPENAI_MEAN, OPENAI_STD))
+            canvas = Image.new("RGB", (224, 224), (0, 0, 0))
+            canvas.paste(im.convert("RGB").resize((nw, nh), Image.BICUBIC), ((224 - nw) // 2, (224 - nh) // 2))
+            im = canvas
+        x = torch.from_numpy(np.asarray(im.convert("RGB"), dtype=np.float32) / 255).permute(2, 0, 1)
+        pix.append((x - torch.tensor(OPENAI_MEAN).view(3, 1, 1)) / torch.tensor(OPENAI_STD).view(3, 1, 1))
     with torch.no_grad():
         img = model.encode_image(torch.stack(pix), normalize=True)
         txt = model.encode_text(open_clip.get_tokenizer(name)(prompts), normalize=True)

@@ -1,5 +1,7 @@
 import math
 
+import numpy as np
+import pytest
 import torch
 
 from dancegrpo.sde import flux_step, model_timesteps, sd3_time_shift, sigma_schedule
@@ -11,14 +13,33 @@ def test_sd3_time_shift_values():
     assert torch.equal(sd3_time_shift(1.0, t), t)
 
 
+def _upstream_timestep_ints(sampling_steps, shift):
+    """Upstream's rule written with numpy float32 scalars: the sigma grid in float32, then
+    int(sigma * 1000) with the product rounded to float32 (a 0-dim float32 tensor times 1000)."""
+    t = np.linspace(1, 0, sampling_steps + 1).astype(np.float32)
+    s = np.float32(shift)
+    sig = (s * t) / (np.float32(1) + (s - np.float32(1)) * t)
+    return [int(np.float32(x) * np.float32(1000)) for x in sig[:-1]]
+
+
 def test_schedule_and_model_timesteps():
     sig = sigma_schedule(16, 3.0)
     assert sig.shape == (17,) and sig[0] == 1 and sig[-1] == 0
     assert (sig[1:] < sig[:-1]).all()
-    ts = model_timesteps(sig)
-    assert ts.shape == (16,)
-    # upstream truncates sigma*1000 to an integer before dividing
-    assert all(abs(float(t) * 1000 - int(float(s) * 1000)) < 1e-3 for t, s in zip(ts, sig[:-1]))
+    assert model_timesteps(sig).shape == (16,)
+
+
+@pytest.mark.parametrize("steps,shift", [(16, 3.0), (20, 3.0), (12, 3.0), (6, 1.0), (10, 3.0)])
+def test_model_timesteps_truncate_in_float32_as_upstream(steps, shift):
+    ints = [int(round(float(t) * 1000)) for t in model_timesteps(sigma_schedule(steps, shift))]
+    assert ints == _upstream_timestep_ints(steps, shift)
+
+
+def test_model_timesteps_known_upstream_values():
+    """The transitions where float32 and float64 truncation differ (../shared/DANCEGRPO.md)."""
+    ts16 = model_timesteps(sigma_schedule(16, 3.0))
+    assert [round(float(ts16[k]), 6) for k in (4, 9)] == [0.9, 0.7]
+    assert round(float(model_timesteps(sigma_schedule(20, 3.0))[5]), 6) == 0.9
 
 
 def _reference_log_prob(v, x, prev, sigma, sigma_next, eta):

@@ -18,7 +18,7 @@ COMMON = dict(train_batch_size=2, gradient_accumulation_steps=12, learning_rate=
 SCRIPTS = {
     "flux": ("train_flux.sh", "dancegrpo.train_grpo_flux", "black-forest-labs/FLUX.1-dev",
              dict(COMMON, sampling_steps=16, checkpointing_steps=40, max_grad_norm=0.01, use_ema=True,
-                  ema_decay=0.995)),
+                  ema_decay=0.995, sampler_seed=1223627, train_sp_batch_size=2)),
     "qwenimage": ("train_qwenimage.sh", "dancegrpo.train_grpo_qwenimage", "Qwen/Qwen-Image",
                   dict(COMMON, sampling_steps=20, checkpointing_steps=60, max_grad_norm=1.0,
                        selective_checkpointing=0.5, sampler_seed=12627)),
@@ -57,6 +57,19 @@ def fake_weights(tmp_path):
     return str(model), str(data)
 
 
+def stubbed_run(tmp_path, **env):
+    """(env for a script run with fake weights and the recording torchrun stub, the stub's folder)."""
+    model, data = fake_weights(tmp_path)
+    log = str(tmp_path / "argv")
+    base = {"MODEL_PATH": model, "DATA_JSON": data, "OUTPUT_DIR": str(tmp_path / "out"), "TORCHRUN_LOG": log}
+    return {**base, **env}, make_stub(tmp_path)
+
+
+def recorded_argv(env):
+    with open(env["TORCHRUN_LOG"]) as f:
+        return shlex.split(f.read())
+
+
 def test_missing_weights_message(script, tmp_path):
     res = run_sh(script, {"MODEL_PATH": str(tmp_path / "nowhere")}, stub=make_stub(tmp_path))
     assert res.returncode != 0
@@ -65,23 +78,49 @@ def test_missing_weights_message(script, tmp_path):
 
 
 def test_recipe_defaults_vanilla_and_jagg(script, tmp_path):
-    model, data = fake_weights(tmp_path)
-    stub, log = make_stub(tmp_path), str(tmp_path / "argv")
-    env = {"MODEL_PATH": model, "DATA_JSON": data, "OUTPUT_DIR": str(tmp_path / "out"), "TORCHRUN_LOG": log}
+    env, stub = stubbed_run(tmp_path)
     module = script[1]
     assert run_sh(script, env, "--max_train_steps", "7", stub=stub).returncode == 0
-    argv = shlex.split(open(log).read())
+    argv = recorded_argv(env)
     assert argv[:4] == ["--standalone", "--nproc_per_node=8", "-m", module]
     args = parse_args(importlib.import_module(module).build_parser(), argv[4:])
-    expected = dict(script[3], max_train_steps=7, pretrained_model_name_or_path=model, data_json_path=data)
+    expected = dict(script[3], max_train_steps=7, pretrained_model_name_or_path=env["MODEL_PATH"],
+                    data_json_path=env["DATA_JSON"])
     assert {k: getattr(args, k) for k in expected} == expected
     assert args.reward_terms == [("hpsv2", 1.0)]
 
     env.update(JAGG="1", JAGG_WINDOW="3", NPROC="2")
     assert run_sh(script, env, stub=stub).returncode == 0
-    argv = shlex.split(open(log).read())
+    argv = recorded_argv(env)
     assert argv[:10] == ["--standalone", "--nproc_per_node=2", "-m", "jagg_patch", module,
                          "--jagg_window", "3", "--jagg_frac", "0.6", "--jagg_mode"]
+
+
+def test_flux_16gpu_recipe_on_two_nodes(tmp_path):
+    """Upstream's 2x8-GPU recipe: every node runs the same command with its NODE_RANK."""
+    env, stub = stubbed_run(tmp_path, RECIPE="16gpu", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="29611")
+    assert run_sh(SCRIPTS["flux"], env, stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    assert argv[:7] == ["--nnodes=2", "--node_rank=1", "--master_addr=10.1.2.3", "--master_port=29611",
+                        "--nproc_per_node=8", "-m", "dancegrpo.train_grpo_flux"]
+    args = parse_args(importlib.import_module("dancegrpo.train_grpo_flux").build_parser(), argv[7:])
+    expected = dict(SCRIPTS["flux"][3], train_batch_size=1, gradient_accumulation_steps=4, max_grad_norm=1.0,
+                    use_ema=False, sampler_seed=1223627, train_sp_batch_size=1)
+    assert {k: getattr(args, k) for k in expected} == expected
+
+    del env["NODE_RANK"]
+    res = run_sh(SCRIPTS["flux"], env, stub=stub)
+    assert res.returncode == 2 and "NODE_RANK" in res.stderr and "MASTER_ADDR" in res.stderr
+    res = run_sh(SCRIPTS["flux"], {**env, "RECIPE": "32gpu"}, stub=stub)
+    assert res.returncode == 2 and "RECIPE must be 8gpu or 16gpu" in res.stderr
+
+
+def test_multi_node_env_vars(script, tmp_path):
+    env, stub = stubbed_run(tmp_path, NNODES="3", NODE_RANK="2", MASTER_ADDR="head", NPROC="4")
+    assert run_sh(script, env, stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    assert argv[:5] == ["--nnodes=3", "--node_rank=2", "--master_addr=head", "--master_port=29500",
+                        "--nproc_per_node=4"]
 
 
 def test_tiny_preset_runs_on_cpu(script, tmp_path, preset_cache):
@@ -94,12 +133,9 @@ def test_tiny_preset_runs_on_cpu(script, tmp_path, preset_cache):
 
 
 def test_jagg_variant_env_vars(tmp_path):
-    model, data = fake_weights(tmp_path)
-    stub, log = make_stub(tmp_path), str(tmp_path / "argv")
-    env = {"MODEL_PATH": model, "DATA_JSON": data, "OUTPUT_DIR": str(tmp_path / "out"), "TORCHRUN_LOG": log,
-           "JAGG": "1", "JAGG_GROUPING": "window", "JAGG_ALPHA": "index", "JAGG_BACKWARD": "split"}
+    env, stub = stubbed_run(tmp_path, JAGG="1", JAGG_GROUPING="window", JAGG_ALPHA="index", JAGG_BACKWARD="split")
     assert run_sh(SCRIPTS["flux"], env, stub=stub).returncode == 0
-    argv = shlex.split(open(log).read())
+    argv = recorded_argv(env)
     flags = dict(zip(argv[5:17:2], argv[6:17:2]))
     assert flags == {"--jagg_window": "4", "--jagg_frac": "0.6", "--jagg_mode": "jagg", "--jagg_grouping": "window",
                      "--jagg_alpha": "index", "--jagg_backward": "split"}
@@ -121,11 +157,10 @@ AUTHORS = dict(seed=42, train_batch_size=8, gradient_accumulation_steps=8, max_t
 ])
 def test_authors_recipes(tmp_path, recipe, extra, jagg):
     from jagg_patch.cli import add_jagg_args
-    model, data = fake_weights(tmp_path)
-    stub, log = make_stub(tmp_path), str(tmp_path / "argv")
-    env = {"MODEL_PATH": model, "DATA_JSON": data, "TORCHRUN_LOG": log, "RECIPE": recipe}
+    env, stub = stubbed_run(tmp_path, RECIPE=recipe)
+    del env["OUTPUT_DIR"]  # the recipe's own default folder is checked below
     assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
-    argv = shlex.split(open(log).read())
+    argv = recorded_argv(env)
     module = "dancegrpo.train_grpo_qwenimage"
     launcher = ["-m", module] if jagg is None else ["-m", "jagg_patch", module]
     assert argv[2:2 + len(launcher)] == launcher
@@ -137,7 +172,7 @@ def test_authors_recipes(tmp_path, recipe, extra, jagg):
     # environment variables still win over the recipe
     env["NUM_GENERATIONS"] = "4"
     assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
-    assert "--num_generations 4" in open(log).read()
+    assert "--num_generations 4" in " ".join(recorded_argv(env))
 
 
 def test_unknown_recipe_is_an_error(tmp_path):

@@ -1,6 +1,7 @@
 """The vanilla update loop's gradient against an independent float64 reference."""
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,7 +33,8 @@ def reference_loss(model, rollout, cond, adv, steps, sigmas, args, normaliser):
         for k in [k for k in steps[b].tolist() if k >= 0]:
             s, s_next = float(sigmas[k]), float(sigmas[k + 1])
             z, z_next = rollout.latents[b:b + 1, k], rollout.latents[b:b + 1, k + 1]
-            t = torch.tensor([int(s * 1000) / 1000], dtype=torch.float64)
+            # upstream: int() of the float32 product sigma * 1000
+            t = torch.tensor([int(np.float32(s) * np.float32(1000)) / 1000], dtype=torch.float64)
             v = reference_velocity(model, z, t, {key: val[b:b + 1] for key, val in cond.items()}, args.h, args.w)
             x0 = z - s * v
             mean = z + (s_next - s) * (v + 0.5 * args.eta ** 2 * (z - (1 - s) * x0) / s ** 2)

@@ -39,6 +39,25 @@ def latents_to_pil(images):
     return [Image.fromarray(np.ascontiguousarray(a)) for a in arr]
 
 
+TILED_DECODE_MIN_PX = 512
+
+
+def wants_tiled_decode(device, height, width):
+    """Upstream decodes with the VAE's tiling on at its 720 px (GPU memory); CPU runs and small
+    images decode whole."""
+    return torch.device(device).type == "cuda" and max(height, width) >= TILED_DECODE_MIN_PX
+
+
+def decode_context(device):
+    """No grad, and bf16 autocast on GPU as upstream decodes; CPU stays float32."""
+    import contextlib
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode())
+    if torch.device(device).type == "cuda":
+        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+    return stack
+
+
 def require_model_folder(path, subfolders, preset_hint):
     """Fail early, naming the fix, when the diffusers model folder is not there."""
     if not path:
@@ -84,6 +103,9 @@ class ModelFamily:
     embedding_fields = {}
     # Transformer block classes that FSDP wraps and activation checkpointing recomputes.
     block_class_names = ()
+    # FSDP compute / reduce / buffer precision on GPU when --master_weight_type is not given
+    # (upstream: Flux fp32 + bf16 autocast, Qwen-Image bf16 MixedPrecision).
+    gpu_fsdp_weight_type = "fp32"
 
     def __init__(self, args):
         self.height, self.width = args.h, args.w
@@ -93,7 +115,8 @@ class ModelFamily:
     vae_class_name = ""
 
     def load(self, args, device):
-        """(transformer in float32 = master weights, frozen vae) from a local diffusers folder, as upstream."""
+        """(transformer in float32 = master weights, frozen vae: bf16 and tiled on GPU) from a local
+        diffusers folder."""
         import diffusers
         import torch
         path = args.pretrained_model_name_or_path
@@ -106,6 +129,8 @@ class ModelFamily:
         vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         vae = getattr(diffusers, self.vae_class_name).from_pretrained(
             args.vae_model_path or path, subfolder="vae", torch_dtype=vae_dtype)
+        if wants_tiled_decode(device, self.height, self.width):
+            vae.enable_tiling()
         return transformer, vae.to(device).eval().requires_grad_(False)
 
     @property

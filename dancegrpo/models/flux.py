@@ -1,7 +1,19 @@
 """Flux (FLUX.1-dev): FluxTransformer2DModel + AutoencoderKL, as upstream trains it."""
 import torch
 
-from .base import ModelFamily, latents_to_pil, pack_latents, prepare_latent_image_ids, unpack_latents
+from .base import (ModelFamily, decode_context, latents_to_pil, pack_latents, prepare_latent_image_ids,
+                   unpack_latents)
+
+
+def text_ids(cond):
+    """Text position ids [T, 3] for the transformer (unbatched: identical for every prompt).
+
+    Upstream's preprocessing saves one [3] row per prompt and its trainer repeats it to [T, 3];
+    files holding the full [T, 3] are read as they are."""
+    ids = cond["text_ids"][0]
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0).expand(cond["encoder_hidden_states"].shape[1], -1)
+    return ids
 
 
 class FluxFamily(ModelFamily):
@@ -36,7 +48,7 @@ class FluxFamily(ModelFamily):
             pooled_projections=cond["pooled_prompt_embeds"],
             timestep=timesteps,
             img_ids=img_ids,
-            txt_ids=cond["text_ids"][0],  # identical for every prompt; Flux takes them unbatched
+            txt_ids=text_ids(cond),
             guidance=guidance,
             return_dict=False,
         )[0]
@@ -44,6 +56,6 @@ class FluxFamily(ModelFamily):
     def decode(self, vae, latents):
         x = unpack_latents(latents, self.height, self.width, self.vae_scale_factor)
         x = x / vae.config.scaling_factor + vae.config.shift_factor
-        with torch.inference_mode():
+        with decode_context(x.device):
             images = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return latents_to_pil(images)

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from .base import ModelFamily, latents_to_pil, pack_latents, unpack_latents
+from .base import ModelFamily, decode_context, latents_to_pil, pack_latents, unpack_latents
 
 
 class QwenImageFamily(ModelFamily):
@@ -25,6 +25,7 @@ class QwenImageFamily(ModelFamily):
         "encoder_hidden_states_mask": ("prompt_attention_mask", "prompt_attention_mask"),
     }
     block_class_names = ("QwenImageTransformerBlock",)
+    gpu_fsdp_weight_type = "bf16"
     transformer_class_name = "QwenImageTransformer2DModel"
     vae_class_name = "AutoencoderKLQwenImage"
 
@@ -79,6 +80,6 @@ class QwenImageFamily(ModelFamily):
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(x.device, torch.float32)
         std = torch.tensor(vae.config.latents_std).view(shape).to(x.device, torch.float32)
         x = x.float() * std + mean
-        with torch.inference_mode():
+        with decode_context(x.device):
             frames = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return latents_to_pil(frames[:, :, 0])

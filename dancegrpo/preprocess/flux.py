@@ -3,7 +3,11 @@
 Uses diffusers' FluxPipeline.encode_prompt with the CLIP (text_encoder/, tokenizer/)
 and T5 (text_encoder_2/, tokenizer_2/) components at --model_path; the
 transformer and VAE are not loaded. Per prompt: prompt_embed [T, 4096] (T5),
-pooled_prompt_embeds [768] (CLIP), text_ids [T, 3]. T = --max_sequence_length (512).
+pooled_prompt_embeds [768] (CLIP), text_ids [3]. T = --max_sequence_length (512).
+
+text_ids is saved as one [3] row, as upstream's preprocessing does: every row of Flux's text
+position ids is the same, and upstream's trainer repeats the row to [T, 3]. So these folders
+train with upstream's trainer as well as with this one (which reads [3] and [T, 3] files).
 """
 from . import common
 
@@ -45,7 +49,7 @@ class FluxEncoder:
         pipe, device = state
         embeds, pooled, text_ids = pipe.encode_prompt(prompt=prompts, prompt_2=None, device=device,
                                                       max_sequence_length=args.max_sequence_length)
-        return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i], "text_ids": text_ids}
+        return [{"prompt_embeds": embeds[i], "pooled_prompt_embeds": pooled[i], "text_ids": text_ids[0]}
                 for i in range(len(prompts))]
 
     @staticmethod

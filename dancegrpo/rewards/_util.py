@@ -15,10 +15,11 @@ def as_device(device):
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def reward_autocast(device):
-    """bf16 autocast on GPU (as upstream scored under AMP); CPU stays float32."""
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
+def reward_autocast(device, dtype):
+    """Autocast to `dtype` on GPU (upstream scores HPSv2 under fp16 autocast); `dtype` None or a
+    CPU device: no autocast, float32."""
+    if device.type == "cuda" and dtype is not None:
+        return torch.autocast("cuda", dtype=dtype)
     return contextlib.nullcontext()
 
 

@@ -53,7 +53,10 @@ def _features(out):
 
 
 class CLIPPairScorer:
-    """Cosine of each image with its OWN prompt, one batched forward per call."""
+    """Cosine of each image with its OWN prompt, one batched forward per call.
+
+    In float32 on every device: upstream scores PickScore in fp32 (no autocast)."""
+    autocast_dtype = None
 
     def __init__(self, processor, model, device):
         self.processor, self.model, self.device = processor, model, device
@@ -65,7 +68,7 @@ class CLIPPairScorer:
         pixels = self.processor(images=[im.convert("RGB") for im in images], return_tensors="pt")["pixel_values"]
         text = self.processor(text=list(prompts), padding=True, truncation=True, max_length=self.max_length,
                               return_tensors="pt")
-        with reward_autocast(self.device):
+        with reward_autocast(self.device, self.autocast_dtype):
             image_features = _features(self.model.get_image_features(pixel_values=pixels.to(self.device)))
             text_features = _features(self.model.get_text_features(
                 input_ids=text["input_ids"].to(self.device), attention_mask=text["attention_mask"].to(self.device)))

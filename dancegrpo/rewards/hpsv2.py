@@ -14,8 +14,9 @@ into the other and gives bit-identical features, and the tokenisers give identic
 Because the HPS state dict loads strictly, it holds EVERY weight of the model, so the
 LAION base `open_clip_pytorch_model.bin` that upstream loads first is fully overwritten:
 it is not read here (it may stay in the folder). Images are preprocessed exactly like
-hpsv2's `preprocess_val` (light augmentation): RGB -> [0, 1] -> longest side resized
-to 224 (bicubic, antialiased, on tensors) -> zero pad to a square -> OpenAI mean/std.
+hpsv2's `preprocess_val` (light augmentation) on the uint8 PIL image, as upstream: longest
+side resized to 224 by PIL bicubic -> zero pad to a square -> RGB -> [0, 1] -> OpenAI
+mean/std. On GPU the model runs under fp16 autocast (upstream's `torch.amp.autocast('cuda')`).
 """
 import os
 
@@ -93,25 +94,25 @@ def _image_size(model):
 
 
 def preprocess(images, size, mean=OPENAI_MEAN, std=OPENAI_STD, device="cpu"):
-    """Batched hpsv2 `preprocess_val` (light augmentation). Returns [N, 3, size, size] float32."""
+    """hpsv2's `preprocess_val` (light augmentation) on each PIL image, as upstream calls it on the
+    uint8 image: longest side resized to `size` by PIL's bicubic (output rounded to uint8), zero
+    padded to a square, then [0, 1] and mean/std. Returns [N, 3, size, size] float32."""
     from torchvision.transforms import InterpolationMode
     from torchvision.transforms import functional as F
-    out = torch.empty(len(images), 3, size, size, device=device)
-    groups = {}
-    for i, im in enumerate(images):
-        groups.setdefault((im.width, im.height), []).append(i)
-    for (w, h), idx in groups.items():
-        x = torch.stack([F.pil_to_tensor(images[i].convert("RGB")) for i in idx]).to(device).float().div(255)
+    out = []
+    for im in images:
+        w, h = im.size
         scale = size / float(max(h, w))
         if scale != 1.0:
             nh, nw = round(h * scale), round(w * scale)
-            x = F.resize(x, [nh, nw], interpolation=InterpolationMode.BICUBIC, antialias=True)
+            im = F.resize(im, [nh, nw], interpolation=InterpolationMode.BICUBIC)
             ph, pw = size - nh, size - nw
-            x = F.pad(x, [pw // 2, ph // 2, pw - pw // 2, ph - ph // 2], fill=0)
-        out[idx] = x
+            im = F.pad(im, [pw // 2, ph // 2, pw - pw // 2, ph - ph // 2], fill=0)
+        out.append(F.pil_to_tensor(im.convert("RGB")))
+    x = torch.stack(out).to(device).float().div(255)
     m = torch.tensor(mean, device=device).view(1, 3, 1, 1)
     s = torch.tensor(std, device=device).view(1, 3, 1, 1)
-    return (out - m) / s
+    return (x - m) / s
 
 
 class HPSv2Reward:
@@ -126,7 +127,7 @@ class HPSv2Reward:
         check_pairs(images, prompts)
         pixels = preprocess(images, self.size, self.mean, self.std, self.device)
         tokens = self.tokenizer(list(prompts)).to(self.device)
-        with reward_autocast(self.device):
+        with reward_autocast(self.device, torch.float16):
             image_features = self.model.encode_image(pixels)
             text_features = self.model.encode_text(tokens)
         return cosine_pairs(image_features, text_features).cpu()

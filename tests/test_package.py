@@ -1,0 +1,29 @@
+"""The repository installs as a package (pyproject.toml): both packages, their data, and entry
+points that run from any folder, not only from the repository root."""
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_installed_package_runs_from_any_folder(tmp_path):
+    src, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "cache_dir", "outputs", "runs", "build",
+                                                             "*.egg-info", "__pycache__", ".pytest_cache"))
+    # No build isolation and no dependencies: the machine's setuptools, nothing downloaded.
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps",
+                           "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (target / "dancegrpo" / "assets" / "prompts.txt").is_file()
+    elsewhere.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    for module in ("jagg_patch.compare", "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage",
+                   "dancegrpo.evaluate", "jagg_patch"):
+        run = subprocess.run([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0 and "usage" in run.stdout.lower(), (module, run.stderr[-2000:])
+    where = subprocess.run([sys.executable, "-c", "import dancegrpo, jagg_patch; print(dancegrpo.__file__)"],
+                           cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120).stdout
+    assert where.startswith(str(target)), where
