@@ -15,6 +15,8 @@ _LAZY = {
     "hpsv2": "dancegrpo.rewards.hpsv2:build",
     "pickscore": "dancegrpo.rewards.pickscore:build",
     "clipscore": "dancegrpo.rewards.clipscore:build",
+    "digit": "dancegrpo.rewards.digit:build_digit",
+    "digit_heldout": "dancegrpo.rewards.digit:build_heldout",
 }
 
 
