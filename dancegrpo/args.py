@@ -65,6 +65,9 @@ def build_parser(family, description=None):
                    help="Resume even though flags that change the run differ from the checkpoint's.")
     g.add_argument("--checkpoints_total_limit", type=int, default=None,
                    help="Keep only the newest N checkpoints (default: keep all).")
+    g.add_argument("--sample_every", type=int, default=0,
+                   help="Write a grid of samples (fixed prompts x fixed noise, ODE) to <output_dir>/samples/ "
+                        "before training, every N steps and at the end (0: never).")
     g.add_argument("--logging_dir", type=str, default="logs", help=NOOP)
     g.add_argument("--report_to", choices=["none", "wandb"], default="none",
                    help="wandb is optional and off by default.")
@@ -196,6 +199,8 @@ def validate_args(args):
             raise ValueError(f"--{name} must be >= 1")
     if args.max_train_steps is None or args.max_train_steps < 1:
         raise ValueError("--max_train_steps must be >= 1")
+    if args.sample_every < 0:
+        raise ValueError("--sample_every must be >= 0 (0: no sample grids)")
     if args.checkpointing_steps < 1:
         raise ValueError("--checkpointing_steps must be >= 1")
     if args.checkpoints_total_limit is not None and args.checkpoints_total_limit < 1:

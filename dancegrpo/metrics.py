@@ -83,6 +83,13 @@ class MetricsWriter:
         if self.wandb_run is not None:
             self.wandb_run.log(record, step=record["step"])
 
+    def records(self):
+        """Every record in metrics.jsonl (earlier segments of a resumed run included)."""
+        if not os.path.isfile(self.metrics_path):
+            return []
+        with open(self.metrics_path) as f:
+            return [json.loads(line) for line in _metrics_upto(f.read().split("\n")[:-1], None)]
+
     def summary(self):
         if not self.history:
             return "no step ran"

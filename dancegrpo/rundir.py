@@ -19,7 +19,7 @@ import socket
 from .errors import ConfigError
 
 LOCK_NAME = ".run.lock"
-RUN_FILES = ("metrics.jsonl", "reward.txt")
+RUN_FILES = ("metrics.jsonl", "reward.txt", "reward_curve.png", "samples")
 CHECKPOINT_GLOB = "checkpoint-*-*"
 
 

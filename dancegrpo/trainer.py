@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import checkpoint as ckpt
-from .data import PromptEmbeddingDataset, infinite_prompt_batches
+from . import checkpoint as ckpt, samples
+from .data import PromptEmbeddingDataset, collate_prompts, infinite_prompt_batches
 from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_checkpointing, clip_grad_norm,
                           decide_on_rank0, gather_tensor, init_distributed, is_distributed, resolve_weight_type,
                           shutdown, wrap_fsdp)
@@ -26,6 +26,7 @@ from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages
                    ppo_clip_loss, select_train_steps as vanilla_selection)
 from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
+from .plots import moving_average, plot_reward_curves
 from .rewards import WeightedReward
 from .resume import plan_run, tool_plan
 from .run_config import snapshot
@@ -355,6 +356,7 @@ def setup(args, family, plan=None):
                        device=device, counter=PassCounter(raw), sigmas=sigmas, timesteps=model_timesteps(sigmas),
                        rank=rank, world_size=world_size, seed=seed, ema=ema, step=start_step)
     ctx.extra["resumed_from"] = resume
+    ctx.extra["dataset"] = dataset
     ctx.extra["num_prompts"] = len(dataset)
     ctx.extra["num_params"] = num_params
     return ctx
@@ -377,6 +379,28 @@ def save(ctx, step):
         ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
                                protect=(path, ctx.extra.get("resumed_from")))
     return path
+
+
+def write_samples(ctx, step):
+    """The sample grid of the weights after `step` (collective under FSDP; rank 0 decodes and writes)."""
+    dataset = ctx.extra["dataset"]
+    rows = samples.grid_rows([item["caption"] for item in dataset.items])
+    cond = {k: v.to(ctx.device) for k, v in collate_prompts([dataset[i] for i in rows]).items() if k != "caption"}
+    ctx.transformer.eval()
+    latents = samples.sample_latents(ctx.family, lambda z, t, c: predict_velocity(ctx, z, t, c), ctx.sigmas,
+                                     ctx.timesteps, cond)
+    if ctx.rank == 0:
+        return samples.save_grid(ctx.family.decode(ctx.vae, latents), ctx.args.output_dir, step)
+    return None
+
+
+def write_reward_curve(writer, output_dir, window=5):
+    records = [r for r in writer.records() if "reward_mean" in r]
+    if not records:
+        return None
+    rewards = [r["reward_mean"] for r in records]
+    curve = {"steps": [r["step"] for r in records], "reward": rewards, "ma": moving_average(rewards, window)}
+    return plot_reward_curves(os.path.join(output_dir, "reward_curve.png"), {f"reward (MA {window})": curve})
 
 
 def describe(ctx):
@@ -439,11 +463,15 @@ def _train(args, family, train_one_step_fn, plan, run_id, stops):
         print(describe(ctx) + f" | run {run_id}", flush=True)
     bar = tqdm(total=args.max_train_steps, initial=ctx.step, desc="steps", disable=not main)
     last_saved = None
+    if args.sample_every and ctx.step == 0:
+        write_samples(ctx, 0)  # the "before" picture
     try:
         while ctx.step < args.max_train_steps:
             ctx.step += 1
             record = train_one_step_fn(ctx)
             writer.write(record)
+            if args.sample_every and (ctx.step % args.sample_every == 0 or ctx.step == args.max_train_steps):
+                write_samples(ctx, ctx.step)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward_mean']:.4f}", loss=f"{record['loss']:.3g}",
                             s=f"{record['step_time_s']:.2f}")
@@ -459,6 +487,7 @@ def _train(args, family, train_one_step_fn, plan, run_id, stops):
     finally:
         bar.close()
     if main:
+        write_reward_curve(writer, args.output_dir)
         print(f"done: {writer.summary()}" + (f" | checkpoint {last_saved}" if last_saved else ""), flush=True)
     shutdown()
     return writer.history

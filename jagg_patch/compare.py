@@ -35,6 +35,8 @@ import os
 import statistics
 import sys
 
+from dancegrpo.plots import moving_average, plot_reward_curves
+
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
 FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
 MIN_TIMED_STEPS = 3
@@ -76,16 +78,6 @@ def load_metrics(run_dir, warn=warn):
     if not by_step:
         raise CompareError(f"{path!r} holds no steps (did the run finish its first step?)")
     return [by_step[s] for s in sorted(by_step)]
-
-
-def moving_average(values, window):
-    """Trailing mean; position i averages values[max(0, i - window + 1) : i + 1]."""
-    window = max(1, int(window))
-    out = []
-    for i in range(len(values)):
-        chunk = values[max(0, i - window + 1):i + 1]
-        out.append(sum(chunk) / len(chunk))
-    return out
 
 
 def _median(records, field):
@@ -225,21 +217,8 @@ def write_plots(out_dir, rows, curves):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    paths = []
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for i, (label, c) in enumerate(curves.items()):
-        color = f"C{i}"
-        ax.plot(c["steps"], c["reward"], color=color, alpha=0.3, linewidth=1)
-        ax.plot(c["steps"], c["ma"], color=color, linewidth=2, label=f"{label} (MA {rows[i]['ma_window']})")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("mean reward")
-    ax.set_title("Reward per step (faint) and moving average (bold)")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "reward_curves.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    labelled = {f"{label} (MA {rows[i]['ma_window']})": c for i, (label, c) in enumerate(curves.items())}
+    paths = [plot_reward_curves(os.path.join(out_dir, "reward_curves.png"), labelled)]
 
     fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4))
     labels = [r["label"] for r in rows]

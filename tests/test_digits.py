@@ -1,9 +1,12 @@
 """The digits world's data, prompts and rewards (dancegrpo.digits, dancegrpo.rewards.digit)."""
+import os
+
 import numpy as np
 import pytest
 import torch
 
 from dancegrpo.digits import data
+from dancegrpo.digits.classifiers import logistic_classifier, neighbours_classifier
 from dancegrpo.rewards import WeightedReward, available_rewards
 from dancegrpo.rewards import digit as digit_reward
 
@@ -54,8 +57,8 @@ def test_classifiers_are_accurate_on_heldout_real_digits(heldout):
     """Measured: logistic 96-97%, 5-NN 97.8% on the 540 held-out digits."""
     images, labels = heldout
     feats = data.features(images)
-    assert (digit_reward.logistic_classifier().predict(feats) == labels).mean() > 0.93
-    assert (digit_reward.neighbours_classifier().predict(feats) == labels).mean() > 0.95
+    assert (logistic_classifier().predict(feats) == labels).mean() > 0.93
+    assert (neighbours_classifier().predict(feats) == labels).mean() > 0.95
 
 
 def test_digit_reward_is_the_prompted_digits_probability(heldout):
@@ -64,7 +67,7 @@ def test_digit_reward_is_the_prompted_digits_probability(heldout):
     images, labels = images[:40], labels[:40]
     prompts = [data.prompts_for((d + i) % 10)[i % len(data.PHRASINGS)] for i, d in enumerate(labels)]
     scores = digit_reward.build_digit()(images, prompts)
-    clf = digit_reward.logistic_classifier()
+    clf = logistic_classifier()
     weights = torch.tensor(clf.coef_, dtype=torch.float64)
     logits = torch.tensor(data.features(images), dtype=torch.float64) @ weights.T + \
         torch.tensor(clf.intercept_, dtype=torch.float64)
@@ -157,3 +160,41 @@ def test_grpo_raises_the_heldout_rate_above_the_shuffled_control(make_args, cach
     print(f"held-out correct-class rate: before {before:.3f}, after GRPO {after['grpo']:.3f}, "
           f"after control {after['control']:.3f}")
     assert after["grpo"] > before + 0.12 and after["grpo"] > after["control"] + 0.12
+
+
+# ------------------------------------------------------------------ sample grids and the reward curve
+def test_grid_rows_one_prompt_per_digit_else_the_first_prompts():
+    from dancegrpo.samples import MAX_ROWS, grid_rows
+    captions = [p for p, _ in data.all_prompts()][::-1]  # digit 9's phrasings first
+    rows = grid_rows(captions)
+    assert [data.digit_of_prompt(captions[i]) for i in rows] == list(range(10))
+    assert grid_rows([f"prompt {chr(97 + i)}" for i in range(15)]) == list(range(MAX_ROWS))
+
+
+def test_sample_grids_are_fixed_and_do_not_disturb_training(make_args, tmp_path):
+    from PIL import Image
+    from dancegrpo import train_grpo_flux
+    small = ["--max_train_steps", 2, "--train_batch_size", 2, "--num_generations", 4,
+             "--gradient_accumulation_steps", 8]
+    with_grids = train_grpo_flux.main(make_args(*small, "--sample_every", 1, "--output_dir", tmp_path / "a",
+                                                preset="digits"))
+    without = train_grpo_flux.main(make_args(*small, "--sample_every", 0, "--output_dir", tmp_path / "b",
+                                             preset="digits"))
+    # Sampling draws from its own generator: the training run is the same with and without grids.
+    assert [r["reward_mean"] for r in with_grids] == [r["reward_mean"] for r in without]
+    names = sorted(os.listdir(tmp_path / "a" / "samples"))
+    assert names == ["step-000000.png", "step-000001.png", "step-000002.png"]
+    grids = [np.asarray(Image.open(tmp_path / "a" / "samples" / n)) for n in names]
+    assert grids[0].shape == (10 * 64, 4 * 64, 3)                       # one row per digit, 4 fixed noises
+    assert np.abs(grids[0].astype(int) - grids[2].astype(int)).max() > 0  # the weights changed the samples
+    assert not os.path.exists(tmp_path / "b" / "samples")
+    assert (tmp_path / "a" / "reward_curve.png").is_file() and (tmp_path / "b" / "reward_curve.png").is_file()
+    # A second run's step-0 grid is the same picture: fixed prompts, fixed noise, same weights.
+    train_grpo_flux.main(make_args(*small, "--max_train_steps", 1, "--sample_every", 5, "--output_dir",
+                                   tmp_path / "c", preset="digits"))
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "c" / "samples" / "step-000000.png")), grids[0])
+    assert sorted(os.listdir(tmp_path / "c" / "samples")) == ["step-000000.png", "step-000001.png"]  # the end
+    # They belong to the run: a used-folder check sees them, --overwrite_output_dir removes them.
+    from dancegrpo.rundir import previous_run_files
+    assert {"samples", "reward_curve.png", "metrics.jsonl"} <= {os.path.basename(p)
+                                                              for p in previous_run_files(str(tmp_path / "c"))}

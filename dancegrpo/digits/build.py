@@ -131,8 +131,8 @@ def train_transformer(spec, family, latents, labels, embeds, steps, generator, b
 def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8, shift=3.0, eta=0.0, seed=5):
     """Held-out correct-class rate of n samples from fixed noise, prompts cycling over digits and
     phrasings: Euler ODE (eta 0) or the trainer's SDE (eta > 0)."""
-    from ..rewards.digit import build_heldout
     from ..sde import flux_step, model_timesteps, sigma_schedule
+    from .classifiers import neighbours_classifier
     g = torch.Generator().manual_seed(seed)
     prompts = [data.prompts_for(i % 10)[(i // 10) % len(data.PHRASINGS)] for i in range(n)]
     cond = conditions(embeds, prompts)
@@ -147,8 +147,8 @@ def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8
         else:
             x0 = z - sigmas[i] * v
             z = z + (sigmas[i + 1] - sigmas[i]) * v
-    images = family.decode(vae, x0)
-    return float(build_heldout()(images, prompts).mean())
+    predicted = neighbours_classifier().predict(data.features(family.decode(vae, x0)))
+    return float((predicted == [data.digit_of_prompt(p) for p in prompts]).mean())
 
 
 def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=print):

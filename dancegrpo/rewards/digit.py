@@ -8,36 +8,13 @@
   A different model family, so that a policy gaming the first classifier does not also score
   here (the analogue of training on HPSv2 and evaluating on PickScore).
 
-Both are fitted, deterministically and in well under a second, on the training part of the
-fixed split, through the same render -> features road the generated images take. Accuracy on
-the held-out real digits is in the tests.
+Both classifiers come from dancegrpo.digits.classifiers (fitted at first use); their accuracy
+on the held-out real digits is in the tests.
 """
 import torch
 
 from ..digits import data
-
-_FITTED = {}
-
-
-def _training_features():
-    (x, y), _ = data.load_split()
-    return data.features(data.render(x)), y
-
-
-def logistic_classifier():
-    if "logistic" not in _FITTED:
-        from sklearn.linear_model import LogisticRegression
-        x, y = _training_features()
-        _FITTED["logistic"] = LogisticRegression(max_iter=2000, C=1.0).fit(x, y)
-    return _FITTED["logistic"]
-
-
-def neighbours_classifier():
-    if "knn" not in _FITTED:
-        from sklearn.neighbors import KNeighborsClassifier
-        x, y = _training_features()
-        _FITTED["knn"] = KNeighborsClassifier(n_neighbors=5).fit(x, y)
-    return _FITTED["knn"]
+from ..digits.classifiers import logistic_classifier, neighbours_classifier
 
 
 def _targets(prompts):

@@ -1,0 +1,36 @@
+"""Reward curves, shared by the trainer (its own run, at the end) and jagg_patch.compare (several
+runs side by side)."""
+import os
+
+
+def moving_average(values, window):
+    """Trailing mean; position i averages values[max(0, i - window + 1) : i + 1]."""
+    window = max(1, int(window))
+    out = []
+    for i in range(len(values)):
+        chunk = values[max(0, i - window + 1):i + 1]
+        out.append(sum(chunk) / len(chunk))
+    return out
+
+
+def plot_reward_curves(path, curves):
+    """curves: {legend label: {"steps": [...], "reward": [...], "ma": [...]}} -> PNG at `path`:
+    each reward per step faint, its moving average bold."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, (label, c) in enumerate(curves.items()):
+        color = f"C{i}"
+        ax.plot(c["steps"], c["reward"], color=color, alpha=0.3, linewidth=1)
+        ax.plot(c["steps"], c["ma"], color=color, linewidth=2, label=label)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("mean reward")
+    ax.set_title("Reward per step (faint) and moving average (bold)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
