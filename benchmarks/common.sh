@@ -4,7 +4,8 @@
 #                  through train_flux.sh / train_qwenimage.sh (MODEL_PATH, DATA_JSON, NPROC, ... as there)
 #   MODELS         "flux qwenimage" (default) or one of them
 #   VARIANTS       "vanilla jagg endpoints" (default): vanilla DanceGRPO, JAGG, the paper's ablation;
-#                  also: exact, jagg_split (JAGG with the split backward), authors (the authors' code:
+#                  also: control (vanilla with --shuffle_advantages), exact, jagg_split (JAGG with the
+#                  split backward), authors (the authors' code:
 #                  window grouping, index alpha, split backward, jagg_frac 1)
 #   JAGG_WINDOW    4, JAGG_FRAC 0.6 (as configured for training; see REPRODUCE.md for the choice)
 #   S_FLUX=16 S_QWEN=20 TIMESTEP_FRACTION=0.6   upstream's geometry (9 / 11 trained transitions)
@@ -44,14 +45,15 @@ sampling_steps() { [[ "$1" == flux ]] && echo "$S_FLUX" || echo "$S_QWEN"; }
 # with upstream's S / timestep_fraction unless PASS_GEOMETRY=0 (then the preset's or recipe's own).
 run_variant() {
   local model="$1" variant="$2" dir="$3"; shift 3
-  local jagg=1 mode="$variant" grouping=trained alpha=timestep backward=joint frac="$JAGG_FRAC"
+  local jagg=1 mode="$variant" grouping=trained alpha=timestep backward=joint frac="$JAGG_FRAC" extra=()
   case "$variant" in
     vanilla) jagg=0; mode=jagg ;;
+    control) jagg=0; mode=jagg; extra=(--shuffle_advantages) ;;   # vanilla with permuted advantages
     jagg|endpoints|exact) ;;
     jagg_split) mode=jagg; backward=split ;;
     authors) mode=jagg; grouping=window; alpha=index; backward=split; frac=1.0 ;;
-    *) echo "error: unknown variant '$variant' (VARIANTS takes vanilla, jagg, endpoints, exact, jagg_split," \
-            "authors)" >&2; exit 2 ;;
+    *) echo "error: unknown variant '$variant' (VARIANTS takes vanilla, control, jagg, endpoints, exact," \
+            "jagg_split, authors)" >&2; exit 2 ;;
   esac
   rm -rf "$dir"
   mkdir -p "$(dirname "$dir")"
@@ -59,7 +61,7 @@ run_variant() {
   local geom=()
   [[ "${PASS_GEOMETRY:-1}" == 1 ]] && geom=(--sampling_steps "$(sampling_steps "$model")" --timestep_fraction "$TIMESTEP_FRACTION")
   JAGG="$jagg" JAGG_MODE="$mode" JAGG_GROUPING="$grouping" JAGG_ALPHA="$alpha" JAGG_BACKWARD="$backward" \
-    JAGG_FRAC="$frac" OUTPUT_DIR="$dir" bash "$(train_script "$model")" "${geom[@]}" "${SIZE[@]}" "$@" \
+    JAGG_FRAC="$frac" OUTPUT_DIR="$dir" bash "$(train_script "$model")" "${geom[@]}" "${SIZE[@]}" "${extra[@]}" "$@" \
     > "$dir.log" 2>&1 || { echo "error: $model / $variant failed; last lines of $dir.log:" >&2; tail -20 "$dir.log" >&2; exit 1; }
 }
 

@@ -61,11 +61,14 @@ def test_fidelity_script(tmp_path, cache_dir):
 
 
 def test_quality_script(tmp_path, cache_dir):
-    text, out = run_script("quality.sh", tmp_path, cache_dir, STEPS="2", VARIANTS="vanilla jagg",
+    text, out = run_script("quality.sh", tmp_path, cache_dir, STEPS="2", VARIANTS="vanilla jagg control",
                            EVAL_PROMPTS="2", EVAL_IMAGES="1", SEEDS="7")
     base = out / "quality/flux/seed7"
     cmp = json.loads((base / "compare/comparison.json").read_text())
-    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg"]
+    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg", "control"]
+    # the control is vanilla with permuted advantages (the launch line is in each run's log)
+    assert "--shuffle_advantages" in (base / "control.log").read_text()
+    assert "--shuffle_advantages" not in (base / "vanilla.log").read_text()
     assert (base / "compare/reward_curves.png").is_file()
     assert (base / "eval/table.md").is_file() and (base / "eval/comparison.json").is_file()
     assert "evaluation of the step-2 checkpoints" in text and "vanilla" in (base / "eval/table.md").read_text()
