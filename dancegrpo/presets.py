@@ -28,19 +28,26 @@ def _randn(shape, seed):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def write_flux_embeddings(root, prompts, text):
-    """Fixed random T5-like / CLIP-pooled embeddings, one file per prompt (upstream layout)."""
+def save_flux_embeddings(root, entries):
+    """[(caption, prompt_embed [T, D], pooled [P])] -> upstream's Flux layout under root (text_ids as
+    one [3] row, as upstream saves it); returns the JSON items."""
     items = []
     for sub in ("prompt_embed", "pooled_prompt_embeds", "text_ids"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
-    for i, prompt in enumerate(prompts):
+    for i, (caption, embed, pooled) in enumerate(entries):
         name = f"{i:05d}.pt"
-        torch.save(_randn((text["tokens"], text["dim"]), 1000 + i), os.path.join(root, "prompt_embed", name))
-        torch.save(_randn((text["pooled_dim"],), 2000 + i), os.path.join(root, "pooled_prompt_embeds", name))
-        torch.save(torch.zeros(3), os.path.join(root, "text_ids", name))  # one row, as upstream saves it
-        items.append({"caption": prompt, "prompt_embed_path": name, "pooled_prompt_embeds_path": name,
+        torch.save(embed, os.path.join(root, "prompt_embed", name))
+        torch.save(pooled, os.path.join(root, "pooled_prompt_embeds", name))
+        torch.save(torch.zeros(3), os.path.join(root, "text_ids", name))
+        items.append({"caption": caption, "prompt_embed_path": name, "pooled_prompt_embeds_path": name,
                       "text_ids": name})
     return items
+
+
+def write_flux_embeddings(root, prompts, text):
+    """Fixed random T5-like / CLIP-pooled embeddings, one file per prompt (upstream layout)."""
+    return save_flux_embeddings(root, [(p, _randn((text["tokens"], text["dim"]), 1000 + i),
+                                        _randn((text["pooled_dim"],), 2000 + i)) for i, p in enumerate(prompts)])
 
 
 def write_qwenimage_embeddings(root, prompts, text):

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..models.flux import FluxFamily
+from ..presets import save_flux_embeddings
 from . import data
 
 SIZE = 64
@@ -76,21 +77,6 @@ def prompt_embeddings(text, seed):
     return {p: {"encoder_hidden_states": torch.randn(text["tokens"], text["dim"], generator=g),
                 "pooled_prompt_embeds": torch.randn(text["pooled_dim"], generator=g)}
             for p, _ in data.all_prompts()}
-
-
-def write_flux_embeddings(root, embeds):
-    """Upstream's Flux layout (text_ids as one [3] row); returns the JSON items."""
-    items = []
-    for sub in ("prompt_embed", "pooled_prompt_embeds", "text_ids"):
-        os.makedirs(os.path.join(root, sub), exist_ok=True)
-    for i, (prompt, tensors) in enumerate(embeds.items()):
-        name = f"{i:05d}.pt"
-        torch.save(tensors["encoder_hidden_states"], os.path.join(root, "prompt_embed", name))
-        torch.save(tensors["pooled_prompt_embeds"], os.path.join(root, "pooled_prompt_embeds", name))
-        torch.save(torch.zeros(3), os.path.join(root, "text_ids", name))
-        items.append({"caption": prompt, "prompt_embed_path": name, "pooled_prompt_embeds_path": name,
-                      "text_ids": name})
-    return items
 
 
 def conditions(embeds, prompts):
@@ -176,7 +162,8 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
     os.makedirs(out, exist_ok=True)
     transformer.save_pretrained(os.path.join(out, "transformer"))
     vae.save_pretrained(os.path.join(out, "vae"))
-    items = write_flux_embeddings(os.path.join(out, "data"), embeds)
+    items = save_flux_embeddings(os.path.join(out, "data"), [(p, t["encoder_hidden_states"], t["pooled_prompt_embeds"])
+                                                             for p, t in embeds.items()])
     with open(os.path.join(out, "data", "prompts.json"), "w") as f:
         json.dump(items, f, indent=1)
     with open(os.path.join(out, "BUILD.json"), "w") as f:
