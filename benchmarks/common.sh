@@ -5,7 +5,8 @@
 #   MODELS         "flux qwenimage" (default) or one of them
 #   VARIANTS       "vanilla jagg endpoints" (default): vanilla DanceGRPO, JAGG, the paper's ablation;
 #                  also: control (vanilla with --shuffle_advantages), exact, jagg_split (JAGG with the
-#                  split backward), authors (the authors' code:
+#                  split backward), jagg_window (JAGG over trajectory windows, the authors' grouping,
+#                  otherwise the paper's text), authors (the authors' code:
 #                  window grouping, index alpha, split backward, jagg_frac 1)
 #   JAGG_WINDOW    4, JAGG_FRAC 0.6 (as configured for training; see REPRODUCE.md for the choice)
 #   S_FLUX=16 S_QWEN=20 TIMESTEP_FRACTION=0.6   upstream's geometry (9 / 11 trained transitions)
@@ -51,9 +52,10 @@ run_variant() {
     control) jagg=0; mode=jagg; extra=(--shuffle_advantages) ;;   # vanilla with permuted advantages
     jagg|endpoints|exact) ;;
     jagg_split) mode=jagg; backward=split ;;
+    jagg_window) mode=jagg; grouping=window ;;
     authors) mode=jagg; grouping=window; alpha=index; backward=split; frac=1.0 ;;
     *) echo "error: unknown variant '$variant' (VARIANTS takes vanilla, control, jagg, endpoints, exact," \
-            "jagg_split, authors)" >&2; exit 2 ;;
+            "jagg_split, jagg_window, authors)" >&2; exit 2 ;;
   esac
   rm -rf "$dir"
   mkdir -p "$(dirname "$dir")"

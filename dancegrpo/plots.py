@@ -34,3 +34,29 @@ def plot_reward_curves(path, curves):
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def plot_mean_spread(path, panels, title=None):
+    """panels: [(panel title, y label, {legend label: {"steps", "mean", "low", "high"}})] -> one PNG,
+    panels side by side: each curve's mean as a line over a shaded low..high band (the spread over seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, (panel_title, ylabel, curves) in zip(axes[0], panels):
+        for i, (label, c) in enumerate(curves.items()):
+            ax.fill_between(c["steps"], c["low"], c["high"], color=f"C{i}", alpha=0.18, linewidth=0)
+            ax.plot(c["steps"], c["mean"], color=f"C{i}", linewidth=2, marker="o" if len(c["steps"]) < 15 else None,
+                    markersize=3, label=label)
+        ax.set_title(panel_title, fontsize=10)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -50,26 +50,34 @@ def write_flux_embeddings(root, prompts, text):
                                         _randn((text["pooled_dim"],), 2000 + i)) for i, p in enumerate(prompts)])
 
 
-def write_qwenimage_embeddings(root, prompts, text):
-    """Fixed random Qwen-like embeddings zero-padded to text["tokens"], with a mask [T] (1 = real
-    token) and the true length in the JSON, as upstream's Qwen preprocessing writes them. True
-    lengths vary between text["min_tokens"] and text["tokens"] so padding is exercised."""
+def save_qwenimage_embeddings(root, entries):
+    """[(caption, zero-padded embeds [T, D], mask [T], 1 = real token)] -> upstream's Qwen-Image
+    layout under root (true length also as "original_length" in the JSON); returns the JSON items."""
     items = []
     for sub in ("prompt_embed", "prompt_attention_mask"):
         os.makedirs(os.path.join(root, sub), exist_ok=True)
-    span = text["tokens"] - text["min_tokens"] + 1
-    for i, prompt in enumerate(prompts):
+    for i, (caption, embeds, mask) in enumerate(entries):
         name = f"{i:05d}.pt"
+        torch.save(embeds, os.path.join(root, "prompt_embed", name))
+        torch.save(mask, os.path.join(root, "prompt_attention_mask", name))
+        items.append({"caption": caption, "prompt_embed_path": name, "prompt_attention_mask": name,
+                      "original_length": int(mask.sum())})
+    return items
+
+
+def write_qwenimage_embeddings(root, prompts, text):
+    """Fixed random Qwen-like embeddings zero-padded to text["tokens"]; true lengths vary between
+    text["min_tokens"] and text["tokens"] so padding is exercised."""
+    span = text["tokens"] - text["min_tokens"] + 1
+    entries = []
+    for i, prompt in enumerate(prompts):
         length = text["min_tokens"] + (i * 5) % span
         embeds = torch.zeros(text["tokens"], text["dim"])
         embeds[:length] = _randn((length, text["dim"]), 3000 + i)
         mask = torch.zeros(text["tokens"], dtype=torch.long)
         mask[:length] = 1
-        torch.save(embeds, os.path.join(root, "prompt_embed", name))
-        torch.save(mask, os.path.join(root, "prompt_attention_mask", name))
-        items.append({"caption": prompt, "prompt_embed_path": name, "prompt_attention_mask": name,
-                      "original_length": length})
-    return items
+        entries.append((prompt, embeds, mask))
+    return save_qwenimage_embeddings(root, entries)
 
 
 _FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -121,6 +129,8 @@ PRESETS = {
         text=dict(tokens=32, dim=128, pooled_dim=64),
         num_prompts=16, write_embeddings=write_flux_embeddings, defaults=_SMALL_DEFAULTS),
     ("flux", "digits"): dict(shipped=os.path.join(DIGITS_DIR, "flux"), num_prompts=40, defaults=_DIGITS_DEFAULTS),
+    ("qwenimage", "digits"): dict(shipped=os.path.join(DIGITS_DIR, "qwenimage"), num_prompts=40,
+                                  defaults=_DIGITS_DEFAULTS),
     ("qwenimage", "tiny"): dict(
         transformer=("QwenImageTransformer2DModel", dict(
             patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=16,

@@ -14,7 +14,8 @@ SIZE = ("--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 
 
 def run_script(name, tmp_path, cache_dir, **env):
     full = dict(os.environ, PRESET="tiny", MODELS="flux", OUT=str(tmp_path / "out"), CACHE_DIR=cache_dir,
-                SIZE_ARGS=SIZE, S_FLUX="8", OMP_NUM_THREADS="1", **env)
+                SIZE_ARGS=SIZE, S_FLUX="8", OMP_NUM_THREADS="1")
+    full.update(env)
     proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", name)], env=full, cwd=str(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -72,3 +73,24 @@ def test_quality_script(tmp_path, cache_dir):
     assert (base / "compare/reward_curves.png").is_file()
     assert (base / "eval/table.md").is_file() and (base / "eval/comparison.json").is_file()
     assert "evaluation of the step-2 checkpoints" in text and "vanilla" in (base / "eval/table.md").read_text()
+
+
+def test_digits_script(tmp_path, cache_dir):
+    """Two seeds x two variants x two steps on the shipped digits models, every checkpoint evaluated,
+    the seed report and one fidelity table written."""
+    small = "--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 " \
+            "--update_batch_size 2"
+    text, out = run_script("digits.sh", tmp_path, cache_dir, SIZE_ARGS=small, SEEDS="1 2", STEPS="2", EVAL_EVERY="1",
+                           EVAL_IMAGES="1", VARIANTS="vanilla jagg_window", FID_ROLLOUTS="1", FID_SAMPLES="2",
+                           FID_GROUPINGS="window")
+    assert "## Quality, flux" in text and "## Fidelity, grouping window" in text
+    report = json.loads((out / "digits/quality/flux/report/report.json").read_text())
+    assert [r["variant"] for r in report["rows"]] == ["vanilla", "jagg_window"]
+    assert report["eval_curves"]["vanilla"]["steps"] == [0, 1, 2]      # base@0, then every checkpoint
+    # vanilla: 4 trained transitions x 2 samples; jagg_window trains one window per sample, JAGG (2
+    # backwards) where jagg_frac routes it, exact (3) in the low-noise window (4, 5, 6)
+    assert report["rows"][0]["backwards_per_step"] == 8 and report["rows"][1]["backwards_per_step"] in (4, 5, 6)
+    assert "grouping window" in (out / "digits/quality/flux/seed1/jagg_window.log").read_text()
+    assert (out / "digits/quality/flux/report/curves.png").is_file()
+    fid = json.loads((out / "digits/fidelity_window/fidelity/flux/w4/fidelity.json").read_text())
+    assert fid["grouping"] == "window" and fid["rollouts"] == 1

@@ -96,44 +96,71 @@ def test_digit_rewards_are_registered_and_refuse_bad_prompts(heldout):
 
 
 # ------------------------------------------------------------------ the trained models (--preset digits)
-def _embeddings(data_json):
-    from dancegrpo.data import PromptEmbeddingDataset
+FAMILIES = {"flux": "dancegrpo.train_grpo_flux", "qwenimage": "dancegrpo.train_grpo_qwenimage"}
+
+
+def _family(name, args):
     from dancegrpo.models.flux import FluxFamily
-    ds = PromptEmbeddingDataset(data_json, FluxFamily.embedding_fields)
+    from dancegrpo.models.qwenimage import QwenImageFamily
+    return {"flux": FluxFamily, "qwenimage": QwenImageFamily}[name](args)
+
+
+def _embeddings(family, data_json):
+    from dancegrpo.data import PromptEmbeddingDataset
+    ds = PromptEmbeddingDataset(data_json, family.embedding_fields)
     return {ds[i]["caption"]: ds[i] for i in range(len(ds))}
 
 
-def _heldout_rate(args, transformer_folder=None, n=200):
+def _heldout_rate(args, family_name="flux", transformer_folder=None, n=200):
     """Held-out correct-class rate of fixed-noise ODE samples, models loaded as the trainer loads them."""
+    import diffusers
     from dancegrpo.digits.build import correct_class_rate
-    from dancegrpo.models.flux import FluxFamily
-    family = FluxFamily(args)
+    family = _family(family_name, args)
     transformer, vae = family.load(args, torch.device("cpu"))
     if transformer_folder:
-        from diffusers import FluxTransformer2DModel
-        transformer = FluxTransformer2DModel.from_pretrained(transformer_folder)
-    return correct_class_rate(family, transformer, vae, _embeddings(args.data_json_path), n=n)
+        transformer = getattr(diffusers, family.transformer_class_name).from_pretrained(transformer_folder)
+    return correct_class_rate(family, transformer, vae, _embeddings(family, args.data_json_path), n=n)
 
 
-def test_shipped_generator_follows_prompts_only_partly(make_args):
-    """Measured 0.605 (ODE, 200 samples) when built; room for GRPO above, well above chance (0.1)."""
-    args = make_args(preset="digits")
+@pytest.mark.parametrize("family,low,high", [("flux", 0.4, 0.8), ("qwenimage", 0.3, 0.8)])
+def test_shipped_generator_follows_prompts_only_partly(make_args, family, low, high):
+    """Measured when built (ODE, 200 samples; BUILD.json): Flux 0.605, Qwen-Image QWEN_RATE. Room for
+    GRPO above, well above chance (0.1)."""
+    args = make_args(preset="digits", module=FAMILIES[family])
     assert args.reward_terms == [("digit", 1.0)] and args.h == 64
-    rate = _heldout_rate(args)
-    assert 0.4 < rate < 0.8, rate
+    rate = _heldout_rate(args, family)
+    assert low < rate < high, rate
 
 
-def test_a_short_build_gives_a_loadable_working_model(make_args, tmp_path):
-    from dancegrpo import train_grpo_flux
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_short_build_gives_a_loadable_working_model(make_args, tmp_path, family):
+    import importlib
     from dancegrpo.digits.build import build
     out = tmp_path / "digits"
-    record = build("flux", str(out), vae_steps=2, transformer_steps=2, log=lambda m: None)
+    record = build(family, str(out), vae_steps=2, transformer_steps=2, log=lambda m: None)
     assert record["vae_steps"] == 2 and 0.0 <= record["heldout_rate_ode"] <= 1.0
-    history = train_grpo_flux.main(make_args(
+    history = importlib.import_module(FAMILIES[family]).main(make_args(
         "--pretrained_model_name_or_path", out, "--data_json_path", out / "data" / "prompts.json",
         "--max_train_steps", 1, "--train_batch_size", 2, "--num_generations", 2, "--gradient_accumulation_steps", 4,
-        preset="digits"))
+        preset="digits", module=FAMILIES[family]))
     assert len(history) == 1 and 0.0 <= history[0]["reward_mean"] <= 1.0
+
+
+def test_qwenimage_digit_prompts_keep_upstreams_layout():
+    """Zero-padded embeddings with a 0/1 mask whose sum is original_length, lengths that differ
+    between prompts (so the padding is exercised), one file per prompt in each folder."""
+    import json
+    root = os.path.join(os.path.dirname(data.__file__), "..", "assets", "digits", "qwenimage", "data")
+    items = json.load(open(os.path.join(root, "prompts.json")))
+    assert [i["caption"] for i in items] == [p for p, _ in data.all_prompts()]
+    lengths = set()
+    for item in items:
+        embeds = torch.load(os.path.join(root, "prompt_embed", item["prompt_embed_path"]))
+        mask = torch.load(os.path.join(root, "prompt_attention_mask", item["prompt_attention_mask"]))
+        n = item["original_length"]
+        assert int(mask.sum()) == n and mask[:n].eq(1).all() and embeds[n:].eq(0).all() and embeds[:n].abs().sum() > 0
+        lengths.add(n)
+    assert len(lengths) > 1
 
 
 @pytest.mark.slow
@@ -156,7 +183,7 @@ def test_grpo_raises_the_heldout_rate_above_the_shuffled_control(make_args, cach
         assert proc.returncode == 0, err[-3000:]
     args = make_args(preset="digits")
     before = _heldout_rate(args)
-    after = {name: _heldout_rate(args, str(tmp_path / name / "checkpoint-40-0")) for name in runs}
+    after = {name: _heldout_rate(args, transformer_folder=str(tmp_path / name / "checkpoint-40-0")) for name in runs}
     print(f"held-out correct-class rate: before {before:.3f}, after GRPO {after['grpo']:.3f}, "
           f"after control {after['control']:.3f}")
     assert after["grpo"] > before + 0.12 and after["grpo"] > after["control"] + 0.12

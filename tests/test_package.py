@@ -17,9 +17,10 @@ def test_installed_package_runs_from_any_folder(tmp_path):
                            "--target", str(target), str(src)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (target / "dancegrpo" / "assets" / "prompts.txt").is_file()
-    shipped = target / "dancegrpo" / "assets" / "digits" / "flux"
-    assert (shipped / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
-    assert len(list((shipped / "data" / "prompt_embed").glob("*.pt"))) == 40
+    for family in ("flux", "qwenimage"):
+        shipped = target / "dancegrpo" / "assets" / "digits" / family
+        assert (shipped / "transformer" / "diffusion_pytorch_model.safetensors").is_file()
+        assert len(list((shipped / "data" / "prompt_embed").glob("*.pt"))) == 40
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
     for module in ("jagg_patch.compare", "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage",

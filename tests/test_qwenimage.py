@@ -48,7 +48,7 @@ def test_registered():
                  "run_sample_step", "sample_reference_model", "grpo_one_step", "gather_tensor",
                  "pack_latents", "unpack_latents"):
         assert hasattr(tq, name), name
-    assert presets.preset_names("qwenimage") == ["small", "tiny"]
+    assert presets.preset_names("qwenimage") == ["digits", "small", "tiny"]
 
 
 def test_velocity_shapes_with_padded_masks():

@@ -1,5 +1,5 @@
 """Build the digits world's models from the data, deterministically:
-`python -m dancegrpo.digits.build --family flux --out DIR`.
+`python -m dancegrpo.digits.build --family flux|qwenimage --out DIR`.
 
 1. the family's VAE, trained to reconstruct the rendered training digits; its latent shift and
    scale are measured on them and written into its config, where the family's decode reads them;
@@ -23,23 +23,111 @@ import numpy as np
 import torch
 
 from ..models.flux import FluxFamily
-from ..presets import save_flux_embeddings
+from ..models.qwenimage import QwenImageFamily
+from ..presets import save_flux_embeddings, save_qwenimage_embeddings
 from . import data
 
 SIZE = 64
-FAMILIES = {
-    "flux": dict(
-        vae=("AutoencoderKL", dict(
-            in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
-            latent_channels=16, norm_num_groups=8, scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False,
-            use_post_quant_conv=False)),
-        transformer=("FluxTransformer2DModel", dict(
-            patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-            axes_dims_rope=(4, 4, 8))),
-        text=dict(tokens=8, dim=32, pooled_dim=32), family=FluxFamily),
-}
+
+
+class FluxWorld:
+    """Flux: AutoencoderKL (4-D images, one scalar shift and scale), T5-like tokens plus a pooled
+    CLIP-like vector, text_ids in upstream's [3] layout."""
+    family = FluxFamily
+    vae = ("AutoencoderKL", dict(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
+        latent_channels=16, norm_num_groups=8, scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False,
+        use_post_quant_conv=False))
+    transformer = ("FluxTransformer2DModel", dict(
+        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+        axes_dims_rope=(4, 4, 8)))
+    text = dict(tokens=8, dim=32, pooled_dim=32)
+
+    @staticmethod
+    def vae_input(x):
+        return x
+
+    @staticmethod
+    def normalise(vae, z):
+        """The family decodes latents / scaling_factor + shift_factor: make the training latents
+        N(0, 1)-like with one shift and scale."""
+        vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
+        return (z - vae.config.shift_factor) * vae.config.scaling_factor
+
+    def embeddings(self, seed):
+        """{prompt: {"encoder_hidden_states": [T, D], "pooled_prompt_embeds": [P]}}, fixed random per prompt."""
+        g = torch.Generator().manual_seed(seed)
+        return {p: {"encoder_hidden_states": torch.randn(self.text["tokens"], self.text["dim"], generator=g),
+                    "pooled_prompt_embeds": torch.randn(self.text["pooled_dim"], generator=g)}
+                for p, _ in data.all_prompts()}
+
+    @staticmethod
+    def conditions(embeds, prompts):
+        """Batch-first cond dict for the family's predict, one row per prompt."""
+        cond = {k: torch.stack([embeds[p][k] for p in prompts])
+                for k in ("encoder_hidden_states", "pooled_prompt_embeds")}
+        cond["text_ids"] = torch.zeros(len(prompts), 3)
+        return cond
+
+    @staticmethod
+    def save_embeddings(root, embeds):
+        return save_flux_embeddings(root, [(p, t["encoder_hidden_states"], t["pooled_prompt_embeds"])
+                                           for p, t in embeds.items()])
+
+
+class QwenImageWorld:
+    """Qwen-Image: AutoencoderKLQwenImage (one-frame videos [N, 3, 1, H, W], per-channel
+    latents_mean / latents_std in its config, as the real model has), zero-padded token
+    embeddings of varying true length with their mask."""
+    family = QwenImageFamily
+    vae = ("AutoencoderKLQwenImage", dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
+                                          attn_scales=[], temperal_downsample=[False, True, True]))
+    transformer = ("QwenImageTransformer2DModel", dict(
+        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 4, 8)))
+    text = dict(tokens=12, dim=32)
+
+    @staticmethod
+    def vae_input(x):
+        return x.unsqueeze(2)
+
+    @staticmethod
+    def normalise(vae, z):
+        """QwenImageFamily.decode un-normalises with latents_std / latents_mean per channel: measure
+        them on the training latents, return the normalised [N, C, h, w] (frame 0)."""
+        mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
+        vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
+        shape = (1, -1, 1, 1, 1)
+        return ((z - mean.view(shape)) / std.view(shape))[:, :, 0]
+
+    def embeddings(self, seed):
+        """{prompt: {"encoder_hidden_states": [T, D] zero-padded, "encoder_hidden_states_mask": [T]}};
+        the true length grows with the prompt's word count, as a tokenizer's would."""
+        g = torch.Generator().manual_seed(seed)
+        out = {}
+        for p, _ in data.all_prompts():
+            length = min(self.text["tokens"], 2 + len(p.split()))
+            embeds = torch.zeros(self.text["tokens"], self.text["dim"])
+            embeds[:length] = torch.randn(length, self.text["dim"], generator=g)
+            mask = torch.zeros(self.text["tokens"], dtype=torch.long)
+            mask[:length] = 1
+            out[p] = {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
+        return out
+
+    @staticmethod
+    def conditions(embeds, prompts):
+        return {k: torch.stack([embeds[p][k] for p in prompts])
+                for k in ("encoder_hidden_states", "encoder_hidden_states_mask")}
+
+    @staticmethod
+    def save_embeddings(root, embeds):
+        return save_qwenimage_embeddings(root, [(p, t["encoder_hidden_states"], t["encoder_hidden_states_mask"])
+                                                for p, t in embeds.items()])
+
+
+FAMILIES = {"flux": FluxWorld(), "qwenimage": QwenImageWorld()}
 
 
 def pixels(images):
@@ -48,10 +136,13 @@ def pixels(images):
     return torch.from_numpy(arr.transpose(0, 3, 1, 2).copy())
 
 
-def train_vae(spec, x, steps, generator, batch=64, lr=2e-3, kl_weight=1e-4):
+def train_vae(world, x, steps, generator, batch=64, lr=2e-3, kl_weight=1e-4):
+    """The family's VAE trained to reconstruct x; returns it (eval, frozen) with its latent
+    normalisation written into its config, and the normalised training latents [N, C, h, w]."""
     import diffusers
-    cls, config = spec
+    cls, config = world.vae
     vae = getattr(diffusers, cls)(**config)
+    x = world.vae_input(x)
     opt = torch.optim.AdamW(vae.parameters(), lr=lr)
     for _ in range(steps):
         idx = torch.randint(0, len(x), (batch,), generator=generator)
@@ -66,33 +157,23 @@ def train_vae(spec, x, steps, generator, batch=64, lr=2e-3, kl_weight=1e-4):
     vae.eval().requires_grad_(False)
     with torch.no_grad():
         z = torch.cat([vae.encode(x[i:i + 256]).latent_dist.mode() for i in range(0, len(x), 256)])
-    # The family decodes latents / scaling_factor + shift_factor: make the training latents N(0, 1)-like.
-    vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
-    return vae, z
+    return vae, world.normalise(vae, z)
 
 
-def prompt_embeddings(text, seed):
-    """{prompt: {"encoder_hidden_states": [T, D], "pooled_prompt_embeds": [P]}}, fixed random per prompt."""
-    g = torch.Generator().manual_seed(seed)
-    return {p: {"encoder_hidden_states": torch.randn(text["tokens"], text["dim"], generator=g),
-                "pooled_prompt_embeds": torch.randn(text["pooled_dim"], generator=g)}
-            for p, _ in data.all_prompts()}
+@torch.no_grad()
+def reconstruction_mse(world, vae, x):
+    """Mean squared error of encode (mode) -> decode on pixels in [-1, 1]."""
+    x = world.vae_input(x)
+    return float(sum(((vae.decode(vae.encode(x[i:i + 256]).latent_dist.mode()).sample - x[i:i + 256]) ** 2).sum()
+                     for i in range(0, len(x), 256)) / x.numel())
 
 
-def conditions(embeds, prompts):
-    """Batch-first cond dict for the family's predict, one row per prompt."""
-    cond = {k: torch.stack([embeds[p][k] for p in prompts])
-            for k in ("encoder_hidden_states", "pooled_prompt_embeds")}
-    cond["text_ids"] = torch.zeros(len(prompts), 3)
-    return cond
-
-
-def train_transformer(spec, family, latents, labels, embeds, steps, generator, batch=128, lr=1e-3):
+def train_transformer(world, family, latents, labels, embeds, steps, generator, batch=128, lr=1e-3):
     """Rectified flow: x_s = (1 - s) x0 + s eps, target v = eps - x0 (so x0 = x_s - s v, as flux_step
     reads the model), s logit-normal."""
     import diffusers
     from ..models.base import pack_latents
-    cls, config = spec
+    cls, config = world.transformer
     transformer = getattr(diffusers, cls)(**config)
     n, c, h, w = latents.shape
     tokens = pack_latents(latents, n, c, h, w)
@@ -105,7 +186,7 @@ def train_transformer(spec, family, latents, labels, embeds, steps, generator, b
         x0, eps = tokens[idx], torch.randn(tokens[idx].shape, generator=generator)
         s = torch.sigmoid(torch.randn(batch, generator=generator))
         xs = (1 - s)[:, None, None] * x0 + s[:, None, None] * eps
-        v = family.predict(transformer, xs, s, conditions(embeds, prompts))
+        v = family.predict(transformer, xs, s, world.conditions(embeds, prompts))
         loss = torch.nn.functional.mse_loss(v, eps - x0)
         opt.zero_grad()
         loss.backward()
@@ -121,7 +202,7 @@ def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8
     from .classifiers import neighbours_classifier
     g = torch.Generator().manual_seed(seed)
     prompts = [data.prompts_for(i % 10)[(i // 10) % len(data.PHRASINGS)] for i in range(n)]
-    cond = conditions(embeds, prompts)
+    cond = FAMILIES[family.name].conditions(embeds, prompts)
     sigmas = sigma_schedule(sampling_steps, shift)
     timesteps = model_timesteps(sigmas)
     z = family.initial_noise(n, g, torch.device("cpu"))
@@ -138,21 +219,21 @@ def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8
 
 
 def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=print):
-    spec = FAMILIES[family_name]
+    world = FAMILIES[family_name]
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    (x, y), _ = data.load_split()
+    (x, y), (test_x, _) = data.load_split()
     record = {"family": family_name, "seed": seed, "size": SIZE, "vae_steps": vae_steps,
               "transformer_steps": transformer_steps, "torch": torch.__version__, "threads": torch.get_num_threads()}
     t0 = time.time()
-    vae, z = train_vae(spec["vae"], pixels(x), vae_steps, generator)
+    vae, latents = train_vae(world, pixels(x), vae_steps, generator)
     record["vae_time_s"] = round(time.time() - t0, 1)
-    log(f"vae: {vae_steps} steps in {record['vae_time_s']} s")
-    latents = (z - vae.config.shift_factor) * vae.config.scaling_factor
-    embeds = prompt_embeddings(spec["text"], seed + 1)
-    family = spec["family"](SimpleNamespace(h=SIZE, w=SIZE, guidance=3.5))
+    record["vae_heldout_mse"] = round(reconstruction_mse(world, vae, pixels(test_x)), 5)
+    log(f"vae: {vae_steps} steps in {record['vae_time_s']} s, held-out reconstruction MSE {record['vae_heldout_mse']}")
+    embeds = world.embeddings(seed + 1)
+    family = world.family(SimpleNamespace(h=SIZE, w=SIZE, guidance=3.5))
     t0 = time.time()
-    transformer = train_transformer(spec["transformer"], family, latents, y, embeds, transformer_steps, generator)
+    transformer = train_transformer(world, family, latents, y, embeds, transformer_steps, generator)
     record["transformer_time_s"] = round(time.time() - t0, 1)
     log(f"transformer: {transformer_steps} steps in {record['transformer_time_s']} s")
     record["heldout_rate_ode"] = correct_class_rate(family, transformer, vae, embeds)
@@ -162,8 +243,7 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
     os.makedirs(out, exist_ok=True)
     transformer.save_pretrained(os.path.join(out, "transformer"))
     vae.save_pretrained(os.path.join(out, "vae"))
-    items = save_flux_embeddings(os.path.join(out, "data"), [(p, t["encoder_hidden_states"], t["pooled_prompt_embeds"])
-                                                             for p, t in embeds.items()])
+    items = world.save_embeddings(os.path.join(out, "data"), embeds)
     with open(os.path.join(out, "data", "prompts.json"), "w") as f:
         json.dump(items, f, indent=1)
     with open(os.path.join(out, "BUILD.json"), "w") as f:
@@ -179,7 +259,8 @@ def main(argv=None):
     p.add_argument("--transformer_steps", type=int, default=1500)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed)
+    return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed,
+                 log=lambda m: print(m, flush=True))
 
 
 if __name__ == "__main__":

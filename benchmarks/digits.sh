@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The digits world's tables, end to end on CPU (the trained models of --preset digits):
+#   1. quality: every VARIANT x SEED trains STEPS GRPO steps on the `digit` reward, writing a
+#      checkpoint every EVAL_EVERY steps; dancegrpo.evaluate scores the model before training
+#      (base@0) and every checkpoint on the held-out classifier (`digit_heldout`, 40 prompts x
+#      EVAL_IMAGES fixed-noise ODE samples); jagg_patch.quality_report draws the training-reward
+#      and held-out curves (mean and min..max over seeds) and writes the table;
+#   2. fidelity: jagg_patch.fidelity on the trained models at upstream's geometry (S 16 / 20,
+#      fraction 0.6, W 4), per group for both groupings (trained, window): cos(JAGG, exact) with
+#      the timestep and the index alpha, and the endpoints ablation.
+#
+#   bash benchmarks/digits.sh                                  # both families, all tables (~75 min, 2 cores)
+#   MODELS=flux SEEDS=42 VARIANTS="vanilla jagg control" FIDELITY=0 bash benchmarks/digits.sh
+#
+# Settings (besides benchmarks/common.sh): SEEDS ("42 43 44"), STEPS (60), EVAL_EVERY (10),
+# EVAL_IMAGES (5 per prompt), JOBS (2 training runs at once, one thread each), FIDELITY (1; 0
+# skips part 2), FID_ROLLOUTS (3), FID_SAMPLES (32 samples per rollout), FID_GROUPINGS ("trained
+# window"). VARIANTS default: vanilla jagg jagg_window authors endpoints control.
+# Outputs: $OUT/digits/quality/<model>/seed<S>/<variant>/ (runs), .../seed<S>/eval/ (scores),
+# $OUT/digits/quality/<model>/report/{curves.png,report.md,report.json}, $OUT/digits/fidelity_<grouping>/,
+# and $OUT/digits/digits.md with every table and the run time of each part.
+VARIANTS="${VARIANTS:-vanilla jagg jagg_window authors endpoints control}"
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+PRESET=digits
+PASS_GEOMETRY=0   # train at the preset's own S 8 / fraction 0.6, as the shipped default run does
+SEEDS="${SEEDS:-42 43 44}"
+STEPS="${STEPS:-60}"
+EVAL_EVERY="${EVAL_EVERY:-10}"
+EVAL_IMAGES="${EVAL_IMAGES:-5}"
+JOBS="${JOBS:-2}"
+FIDELITY="${FIDELITY:-1}"
+FID_GROUPINGS="${FID_GROUPINGS:-trained window}"
+DEST="$OUT/digits"
+mkdir -p "$DEST"
+REPORT="$DEST/digits.md"
+{
+  echo "# The digits world"
+  echo
+  echo "$(machine_line)"
+  echo "variants: $VARIANTS | seeds $SEEDS | $STEPS steps | W $JAGG_WINDOW | jagg_frac $JAGG_FRAC | $JOBS runs at once"
+} > "$REPORT"
+
+# Up to JOBS training runs at once; a failed run stops the script.
+running=()
+launch() {
+  run_variant "$@" &
+  running+=($!)
+  if (( ${#running[@]} >= JOBS )); then
+    wait "${running[0]}" || exit 1
+    running=("${running[@]:1}")
+  fi
+}
+drain() { for pid in "${running[@]}"; do wait "$pid" || exit 1; done; running=(); }
+
+for model in $MODELS; do
+  t0=$SECONDS
+  root="$DEST/quality/$model"
+  for seed in $SEEDS; do
+    for variant in $VARIANTS; do
+      launch "$model" "$variant" "$root/seed$seed/$variant" --max_train_steps "$STEPS" --seed "$seed" \
+        --checkpointing_steps "$EVAL_EVERY" --sample_every 0
+    done
+  done
+  drain
+  t_train=$((SECONDS - t0))
+  base_model="$("$PY" -c "import sys; from dancegrpo.presets import materialize_preset as m; print(m(sys.argv[1], 'digits', '.'))" "$model")"
+  for seed in $SEEDS; do
+    ckpts=(--checkpoint "base@0=$base_model")
+    for variant in $VARIANTS; do
+      for ((step = EVAL_EVERY; step <= STEPS; step += EVAL_EVERY)); do
+        ckpts+=(--checkpoint "$variant@$step=$root/seed$seed/$variant/checkpoint-$step-0")
+      done
+    done
+    echo "== $model / seed $seed / evaluate ${#ckpts[@]} checkpoints" >&2
+    "$PY" -m dancegrpo.evaluate --family "$model" --preset digits --cache_dir "$CACHE_DIR" "${ckpts[@]}" \
+      --metrics digit,digit_heldout --max_prompts 40 --num_images_per_prompt "$EVAL_IMAGES" --seed "$seed" \
+      --output_dir "$root/seed$seed/eval" > "$root/seed$seed/eval.log" 2>&1 \
+      || { echo "error: evaluate failed; see $root/seed$seed/eval.log" >&2; tail -20 "$root/seed$seed/eval.log" >&2; exit 1; }
+  done
+  "$PY" -m jagg_patch.quality_report "$root" --metric digit_heldout --out "$root/report" \
+    --title "digits world, $model: GRPO on the digit reward, seeds $SEEDS" > /dev/null
+  {
+    echo; echo "## Quality, $model ($((SECONDS - t0)) s: training $t_train s, evaluation $((SECONDS - t0 - t_train)) s)"; echo
+    cat "$root/report/report.md"
+    echo; echo "Curves: $root/report/curves.png"
+  } >> "$REPORT"
+done
+
+if [[ "$FIDELITY" == 1 ]]; then
+  for grouping in $FID_GROUPINGS; do
+    t0=$SECONDS
+    JAGG_GROUPING="$grouping" OUT="$DEST/fidelity_$grouping" PRESET=digits WINDOWS="$JAGG_WINDOW" \
+      ROLLOUTS="${FID_ROLLOUTS:-3}" SAMPLES="${FID_SAMPLES:-32}" bash "$ROOT/benchmarks/fidelity.sh" > /dev/null
+    { echo; echo "## Fidelity, grouping $grouping ($((SECONDS - t0)) s)"; echo
+      sed '1,/^preset:/d' "$DEST/fidelity_$grouping/fidelity/fidelity.md"; } >> "$REPORT"
+  done
+fi
+echo "wrote $REPORT" >&2
+cat "$REPORT"
