@@ -9,7 +9,7 @@
 #      fraction 0.6, W 4), per group for both groupings (trained, window): cos(JAGG, exact) with
 #      the timestep and the index alpha, and the endpoints ablation.
 #
-#   bash benchmarks/digits.sh                                  # both families, all tables (~75 min, 2 cores)
+#   bash benchmarks/digits.sh                                  # both families, all tables (39 min on 2 cores)
 #   MODELS=flux SEEDS=42 VARIANTS="vanilla jagg control" FIDELITY=0 bash benchmarks/digits.sh
 #
 # Settings (besides benchmarks/common.sh): SEEDS ("42 43 44"), STEPS (60), EVAL_EVERY (10),
@@ -20,8 +20,8 @@
 # $OUT/digits/quality/<model>/report/{curves.png,report.md,report.json}, $OUT/digits/fidelity_<grouping>/,
 # and $OUT/digits/digits.md with every table and the run time of each part.
 VARIANTS="${VARIANTS:-vanilla jagg jagg_window authors endpoints control}"
+export PRESET=digits   # before common.sh: it sets the cache folder and one thread per process for presets
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-PRESET=digits
 PASS_GEOMETRY=0   # train at the preset's own S 8 / fraction 0.6, as the shipped default run does
 SEEDS="${SEEDS:-42 43 44}"
 STEPS="${STEPS:-60}"
@@ -71,13 +71,13 @@ for model in $MODELS; do
         ckpts+=(--checkpoint "$variant@$step=$root/seed$seed/$variant/checkpoint-$step-0")
       done
     done
-    echo "== $model / seed $seed / evaluate ${#ckpts[@]} checkpoints" >&2
+    echo "== $model / seed $seed / evaluate $(( ${#ckpts[@]} / 2 )) checkpoints" >&2
     "$PY" -m dancegrpo.evaluate --family "$model" --preset digits --cache_dir "$CACHE_DIR" "${ckpts[@]}" \
       --metrics digit,digit_heldout --max_prompts 40 --num_images_per_prompt "$EVAL_IMAGES" --seed "$seed" \
       --output_dir "$root/seed$seed/eval" > "$root/seed$seed/eval.log" 2>&1 \
       || { echo "error: evaluate failed; see $root/seed$seed/eval.log" >&2; tail -20 "$root/seed$seed/eval.log" >&2; exit 1; }
   done
-  "$PY" -m jagg_patch.quality_report "$root" --metric digit_heldout --out "$root/report" \
+  "$PY" -m jagg_patch.quality_report "$root" --metric digit_heldout --out "$root/report" --variants "${VARIANTS// /,}" \
     --title "digits world, $model: GRPO on the digit reward, seeds $SEEDS" > /dev/null
   {
     echo; echo "## Quality, $model ($((SECONDS - t0)) s: training $t_train s, evaluation $((SECONDS - t0 - t_train)) s)"; echo

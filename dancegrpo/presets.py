@@ -106,8 +106,9 @@ _SMALL_DEFAULTS = dict(h=256, w=256, sampling_steps=16, shift=3.0, eta=0.3, trai
 
 # The digits world (dancegrpo.digits): models trained by `python -m dancegrpo.digits.build`, shipped
 # in dancegrpo/assets/digits/<family>/ with their prompt data; nothing is built at run time.
-# lr 1e-4 measured: 40 steps take the held-out correct-class rate from 61% to 83% (1e-3 wrecks the
-# trained model: 43%; 2e-5 is slow: 65%; the shuffled control ends at 55%).
+# lr 1e-4 measured on Flux: 40 steps take the held-out correct-class rate from 61% to 83% (1e-3 wrecks
+# the trained model: 43%; 2e-5 is slow: 65%; the shuffled control ends at 55%). The same defaults
+# serve Qwen-Image: 60 steps, 70.5% -> 92.5% (seed 42, 200 evaluation samples).
 _DIGITS_DEFAULTS = dict(_TINY_DEFAULTS, learning_rate=1e-4, max_train_steps=60, reward="digit", sample_every=20)
 DIGITS_DIR = os.path.join(os.path.dirname(__file__), "assets", "digits")
 

@@ -141,8 +141,8 @@ def markdown(rows, metric, ma_window):
     return "\n".join(lines)
 
 
-def report(root, metric="digit_heldout", ma_window=5, out=None, title=None):
-    data = collect(root, metric, ma_window)
+def report(root, metric="digit_heldout", ma_window=5, out=None, title=None, variants=None):
+    data = collect(root, metric, ma_window, variants)
     rows = summarize_variants(data)
     text = markdown(rows, metric, ma_window)
     if out:
@@ -166,9 +166,12 @@ def main(argv=None):
     p.add_argument("--ma_window", type=int, default=5, help="Moving average of the training reward (steps).")
     p.add_argument("--out", default=None, help="Write curves.png, report.md and report.json here.")
     p.add_argument("--title", default=None)
+    p.add_argument("--variants", default=None,
+                   help="Comma list: which variants, in this order (default: all, vanilla first, control last).")
     args = p.parse_args(argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
     try:
-        rows, text = report(args.root, args.metric, args.ma_window, args.out, args.title)
+        rows, text = report(args.root, args.metric, args.ma_window, args.out, args.title, variants)
     except CompareError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

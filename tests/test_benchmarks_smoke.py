@@ -82,7 +82,7 @@ def test_digits_script(tmp_path, cache_dir):
             "--update_batch_size 2"
     text, out = run_script("digits.sh", tmp_path, cache_dir, SIZE_ARGS=small, SEEDS="1 2", STEPS="2", EVAL_EVERY="1",
                            EVAL_IMAGES="1", VARIANTS="vanilla jagg_window", FID_ROLLOUTS="1", FID_SAMPLES="2",
-                           FID_GROUPINGS="window")
+                           FID_GROUPINGS="window", PRESET="")   # the script sets its own preset
     assert "## Quality, flux" in text and "## Fidelity, grouping window" in text
     report = json.loads((out / "digits/quality/flux/report/report.json").read_text())
     assert [r["variant"] for r in report["rows"]] == ["vanilla", "jagg_window"]

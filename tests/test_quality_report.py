@@ -54,6 +54,11 @@ def test_table_numbers_equal_hand_computed_ones(tmp_path):
     assert json.load(open(tmp_path / "out" / "report.json"))["rows"][0]["variant"] == "vanilla"
 
 
+def test_variants_choose_and_order_the_rows(tmp_path):
+    rows, _ = report(str(write_tree(tmp_path / "q")), variants=["jagg", "vanilla"])
+    assert [r["variant"] for r in rows] == ["jagg", "vanilla"]
+
+
 def test_curves_start_at_base_and_band_over_seeds(tmp_path):
     data = collect(str(write_tree(tmp_path / "q")), "digit_heldout", ma_window=1)
     train, held = curves(data)
