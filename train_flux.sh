@@ -6,14 +6,21 @@
 #   RECIPE=16gpu NODE_RANK=0 MASTER_ADDR=node0 bash train_flux.sh   # upstream's 2x8-GPU recipe, on each node
 #   JAGG=1 bash train_flux.sh                    # same flags, policy update through the JAGG patch
 #   JAGG=1 JAGG_MODE=endpoints bash train_flux.sh   # the paper's ablation
+#   LORA=1 bash train_flux.sh                    # upstream's LoRA recipe (train_grpo_flux_lora.py): r 128,
+#                                                # alpha 256, lr 3e-4, S 12, batch 2, GA 12, no EMA
 #   PRESET=tiny bash train_flux.sh               # embedded tiny models on CPU, 1 process, no weights needed
 #   NPROC=4 OUTPUT_DIR=runs/f bash train_flux.sh --max_train_steps 10   # extra flags pass through
 #
 # Every value below can be overridden by an environment variable of the same name;
-# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT,
-# TORCHRUN_ARGS: see scripts/launch.sh.
+# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, LORA=0|1, LORA_RANK, LORA_ALPHA, LORA_TARGET_MODULES,
+# NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 MODULE="dancegrpo.train_grpo_flux"
+if [[ "${LORA:-0}" == 1 ]]; then   # upstream's scripts/finetune LoRA recipe (../shared/DANCEGRPO.md)
+  MODULE="dancegrpo.train_grpo_flux_lora"
+  : "${LEARNING_RATE:=3e-4}" "${SAMPLING_STEPS:=12}" "${TRAIN_BATCH_SIZE:=2}" "${GRADIENT_ACCUMULATION_STEPS:=12}"
+  NO_EMA=1   # upstream's LoRA trainer keeps no EMA
+fi
 MODEL_NAME="Flux"; HF_REPO="black-forest-labs/FLUX.1-dev"; PREPROCESS="dancegrpo.preprocess.flux"
 OUTPUT_DIR_PRESET="${OUTPUT_DIR:-outputs/flux_${PRESET:-}}"   # defaults for PRESET runs
 CACHE_DIR_PRESET="${CACHE_DIR:-./cache_dir}"
@@ -28,6 +35,7 @@ NPROC_DEFAULT=8
 case "${RECIPE:-8gpu}" in
   8gpu)
     EMA_FLAGS=(--use_ema --ema_decay "${EMA_DECAY:-0.995}")
+    [[ -z "${NO_EMA:-}" ]] || EMA_FLAGS=()
     : "${MAX_GRAD_NORM:=0.01}" "${TRAIN_SP_BATCH_SIZE:=2}" ;;
   16gpu)
     EMA_FLAGS=()

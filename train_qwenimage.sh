@@ -3,6 +3,8 @@
 #
 #   bash train_qwenimage.sh                      # 8 GPUs, weights in data/qwenimage, embeddings from preprocessing
 #   JAGG=1 bash train_qwenimage.sh               # same, with the JAGG patch (python -m jagg_patch ...)
+#   LORA=1 bash train_qwenimage.sh               # a LoRA adapter (r 128, alpha 256, lr 3e-4: Flux's LoRA recipe;
+#                                                # upstream has no Qwen-Image LoRA trainer)
 #   PRESET=tiny bash train_qwenimage.sh          # embedded tiny models on CPU, 1 process, no weights needed
 #   NPROC=4 OUTPUT_DIR=runs/q bash train_qwenimage.sh --max_train_steps 10   # extra flags pass through
 #   RECIPE=authors_standard bash train_qwenimage.sh   # the JAGG authors' run_standard.sh (vanilla baseline)
@@ -36,6 +38,7 @@ case "${RECIPE:-upstream}" in
   *) echo "error: RECIPE must be upstream, authors_standard or authors_jagg, got '${RECIPE}'" >&2; exit 2 ;;
 esac
 MODULE="dancegrpo.train_grpo_qwenimage"
+[[ "${LORA:-0}" != 1 ]] || : "${LEARNING_RATE:=3e-4}"
 MODEL_NAME="Qwen-Image"; HF_REPO="Qwen/Qwen-Image"; PREPROCESS="dancegrpo.preprocess.qwenimage"
 OUTPUT_DIR_PRESET="${OUTPUT_DIR:-outputs/qwenimage_${PRESET:-}${RUN_SUFFIX}}"   # defaults for PRESET runs
 CACHE_DIR_PRESET="${CACHE_DIR:-./cache_dir}"

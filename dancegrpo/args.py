@@ -7,6 +7,7 @@ import sys
 
 from . import presets
 from .distributed import SHARDING_STRATEGIES, WEIGHT_TYPES
+from .lora import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, resolve_reward_spec
 
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
@@ -129,6 +130,7 @@ def build_parser(family, description=None):
                         "is the same, only the batching changes.")
     g.add_argument("--shuffle_advantages", **bool_flag,
                    help="Control run: randomly permute the advantages over the step's samples.")
+    add_lora_args(p)
     add_reward_args(p)
     p.set_defaults(family=family)
     return p
@@ -220,4 +222,5 @@ def validate_args(args):
         raise ValueError("--output_dir is required (metrics, reward.txt and checkpoints go there)")
     if args.use_group and args.num_generations < 2:
         raise ValueError("--use_group needs --num_generations >= 2")
+    validate_lora_args(args)
     args.reward_terms = resolve_reward_spec(args)

@@ -32,6 +32,8 @@ from .distributed import all_reduce_max, barrier, clean_param_name
 from .errors import ConfigError, DiskFullError, MissingFileError, RunHalted
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' name for an adapter (dancegrpo.lora)
+WEIGHT_FILES = (WEIGHTS_NAME, LORA_WEIGHTS_NAME)
 STATE_NAME = "training_state.pt"
 OPTIMIZER_DIR = "optimizer"
 CONFIG_NAME = "run_config.json"
@@ -45,11 +47,14 @@ def _full_options(model):
     return StateDictOptions(full_state_dict=True, cpu_offload=on_gpu)
 
 
-def full_model_state(model):
-    """Unsharded, prefix-free state dict (collective under FSDP: call on every rank)."""
+def full_model_state(model, trainable_only=False):
+    """Unsharded, prefix-free state dict (collective under FSDP: call on every rank); with
+    trainable_only, only the parameters that require grad (a LoRA adapter, not its frozen base)."""
     # A copy, not a view: on CPU .cpu() would alias the live parameters, and the EMA
     # checkpoint swaps its values in only while the state is read.
-    state = get_model_state_dict(model, options=_full_options(model))
+    options = _full_options(model)
+    options.ignore_frozen_params = trainable_only
+    state = get_model_state_dict(model, options=options)
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
 
@@ -59,6 +64,30 @@ def write_transformer_folder(folder, state_dict, config):
     config = {k: v for k, v in dict(config).items() if k != "dtype"}
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config, f, indent=2, default=list)
+
+
+class FullWeights:
+    """A full fine-tune's checkpoint weights: a drop-in diffusers transformer folder. (A LoRA run
+    uses dancegrpo.lora.LoraWeights: same three members.)"""
+    file_name = WEIGHTS_NAME
+    trainable_only = False
+
+    @staticmethod
+    def write(folder, state, model_config):
+        write_transformer_folder(folder, state, model_config)
+
+    @staticmethod
+    def read_state(folder):
+        return load_folder_state(folder)
+
+    @staticmethod
+    def load_into(raw_model, folder):
+        load_weights_into(raw_model, folder)
+
+
+def weights_file(folder):
+    """The weights file a checkpoint folder holds (full or LoRA), or None."""
+    return next((n for n in WEIGHT_FILES if os.path.isfile(os.path.join(folder, n))), None)
 
 
 def checkpoint_dir(output_dir, step, epoch=0):
@@ -83,11 +112,11 @@ def _finish_folder(folder):
     os.chmod(os.path.join(folder, MANIFEST_NAME), 0o666 & ~umask)
 
 
-def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config):
+def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config, weights_format):
     """Rank 0's files into `tmp` (which already holds every rank's optimizer shard), then the rename."""
-    write_transformer_folder(tmp, weights, config)
+    weights_format.write(tmp, weights, config)
     if ema_state is not None:
-        write_transformer_folder(os.path.join(tmp, "ema"), ema_state, config)
+        weights_format.write(os.path.join(tmp, "ema"), ema_state, config)
     torch.save(state, os.path.join(tmp, STATE_NAME))
     if run_config is not None:
         with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
@@ -121,10 +150,11 @@ def _disk_full(output_dir, final, error):
 
 
 def save_checkpoint(output_dir, step, epoch, model, config, optimizer, lr_scheduler, rank,
-                    ema_state=None, extra_state=None, run_config=None):
-    """Collective: every rank calls it. Every rank writes its optimizer shard, rank 0 the full
-    weights and the rest. Returns the final folder."""
-    weights = full_model_state(model)
+                    ema_state=None, extra_state=None, run_config=None, weights_format=FullWeights):
+    """Collective: every rank calls it. Every rank writes its optimizer shard, rank 0 the
+    weights (`weights_format`: full transformer folder or LoRA adapter) and the rest. Returns the
+    final folder."""
+    weights = full_model_state(model, weights_format.trainable_only)
     final = checkpoint_dir(output_dir, step, epoch)
     tmp = final + ".tmp"
     if rank == 0:
@@ -136,7 +166,7 @@ def save_checkpoint(output_dir, step, epoch, model, config, optimizer, lr_schedu
         sharded_state.save_optimizer(model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
         if rank == 0:
             state = {"step": step, "epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), **(extra_state or {})}
-            _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config)
+            _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config, weights_format)
     except Exception as e:  # noqa: BLE001  (DCP wraps a rank's OSError in its own exception type)
         error = e
         if rank == 0:
@@ -159,9 +189,11 @@ def _collective_device():
 def checkpoint_problem(folder):
     """Why `folder` cannot resume a run (a short reason), or None when it is complete."""
     manifest = os.path.join(folder, MANIFEST_NAME)
-    for name in (WEIGHTS_NAME, STATE_NAME):
-        if not os.path.isfile(os.path.join(folder, name)):
-            return f"no {name}" + (" (weights only)" if name == STATE_NAME else "")
+    weights = weights_file(folder)
+    if weights is None:
+        return f"no {WEIGHTS_NAME} or {LORA_WEIGHTS_NAME}"
+    if not os.path.isfile(os.path.join(folder, STATE_NAME)):
+        return f"no {STATE_NAME} (weights only)"
     if os.path.isfile(manifest):
         try:
             with open(manifest) as f:
@@ -176,7 +208,7 @@ def checkpoint_problem(folder):
     if os.path.isdir(optimizer_dir) and not sharded_state.is_complete(optimizer_dir):
         return f"no {OPTIMIZER_DIR}/{sharded_state.METADATA} (optimizer shards incomplete)"
     try:  # cheap structural checks: a safetensors header, a zip directory (torch.save's format)
-        with safe_open(os.path.join(folder, WEIGHTS_NAME), "pt") as f:
+        with safe_open(os.path.join(folder, weights), "pt") as f:
             f.keys()
         with zipfile.ZipFile(os.path.join(folder, STATE_NAME)):
             pass
@@ -218,8 +250,8 @@ def resolve_resume_path(spec, output_dir, log=print):
             raise MissingFileError(f"--resume_from_checkpoint latest: no complete checkpoint-*-* folder in "
                                    f"{output_dir!r}{hint}")
         return path
-    if not os.path.isfile(os.path.join(spec, WEIGHTS_NAME)):
-        raise MissingFileError(f"--resume_from_checkpoint {spec!r} holds no {WEIGHTS_NAME}; pass a "
+    if weights_file(spec) is None:
+        raise MissingFileError(f"--resume_from_checkpoint {spec!r} holds no {WEIGHTS_NAME} (nor a LoRA adapter); pass a "
                                 "checkpoint-STEP-EPOCH folder (this trainer's, or upstream's "
                                 "checkpoint-[ema-]STEP-EPOCH for its weights), or 'latest'.")
     problem = checkpoint_problem(spec)

@@ -182,9 +182,10 @@ def clean_param_name(name):
 
 
 def full_gradients(model):
-    """{name: unsharded gradient} for a plain or FSDP1 model (collective under FSDP)."""
+    """{name: unsharded gradient} of the trainable parameters of a plain or FSDP1 model (collective
+    under FSDP)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     ctx = FSDP.summon_full_params(model, with_grads=True) if isinstance(model, FSDP) else contextlib.nullcontext()
     with ctx:
         return {clean_param_name(n): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                for n, p in model.named_parameters()}
+                for n, p in model.named_parameters() if p.requires_grad}

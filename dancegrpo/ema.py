@@ -32,12 +32,22 @@ class ParamEMA:
             for b, p in zip(backup, self.params):
                 p.copy_(b)
 
+    @staticmethod
+    def trainable_names(model):
+        from .distributed import clean_param_name
+        return [clean_param_name(n) for n, p in model.named_parameters() if p.requires_grad]
+
     @torch.no_grad()
     def load_full_state(self, model, full_state_dict):
-        """Set the EMA from a full (unsharded) state dict, e.g. a checkpoint's ema/ folder."""
+        """Set the EMA from a full (unsharded) state dict, e.g. a checkpoint's ema/ folder: every
+        parameter, or (a LoRA run's) every trainable one."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         backup = [p.detach().clone() for p in self.params]
-        set_model_state_dict(model, full_state_dict, options=StateDictOptions(full_state_dict=True))
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
+        missing = set(ParamEMA.trainable_names(model)) - set(full_state_dict)
+        if missing:
+            raise ValueError(f"EMA state lacks {len(missing)} trainable parameter(s), e.g. {sorted(missing)[0]}")
+        set_model_state_dict(model, full_state_dict, options=options)
         for s, p, b in zip(self.shadow, self.params, backup):
             s.copy_(p)
             p.copy_(b)

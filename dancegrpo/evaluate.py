@@ -179,21 +179,35 @@ def family_parts(name):
     return family, transformer_cls, vae_cls
 
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
+
 def transformer_folder(path):
-    """(folder, subfolder) of the transformer in a checkpoint or base model folder."""
+    """(folder, subfolder) of the transformer in a checkpoint or base model folder; (path, LORA_FILE)
+    for a LoRA checkpoint (an adapter on the base model)."""
+    if os.path.isfile(os.path.join(path, LORA_FILE)):
+        return path, LORA_FILE
     if os.path.isfile(os.path.join(path, "config.json")) and any(
             os.path.isfile(os.path.join(path, f)) for f in WEIGHTS_FILES):
         return path, None
     if os.path.isfile(os.path.join(path, "transformer", "config.json")):
         return path, "transformer"
     raise EvalError(f"Checkpoint {path!r} is neither a transformer folder (config.json + "
-                    f"{WEIGHTS_FILES[0]}, as the trainer writes checkpoint-STEP-EPOCH/) nor a base model "
-                    "folder with transformer/config.json")
+                    f"{WEIGHTS_FILES[0]}, as the trainer writes checkpoint-STEP-EPOCH/), a LoRA checkpoint "
+                    f"({LORA_FILE}), nor a base model folder with transformer/config.json")
 
 
-def load_transformer(cls_name, path, device):
+def load_transformer(cls_name, path, device, base=None):
+    """The transformer of `path`; a LoRA checkpoint is loaded onto `base`'s transformer with
+    diffusers' load_lora_adapter (alpha from the adapter's stored LoraConfig)."""
     import diffusers
     folder, sub = transformer_folder(path)
+    if sub == LORA_FILE:
+        if not base:
+            raise EvalError(f"{path!r} is a LoRA adapter: pass --pretrained_model_name_or_path (its base model)")
+        model = load_transformer(cls_name, base, device)
+        model.load_lora_adapter(folder, prefix="transformer", weight_name=LORA_FILE)
+        return model.eval().requires_grad_(False)
     with open(os.path.join(folder, sub or "", "config.json")) as f:
         found = json.load(f).get("_class_name")
     if found and found != cls_name:
@@ -388,7 +402,7 @@ def run(args):
     print(table_header(names), flush=True)
     summaries = []
     for label, path in args.checkpoints:
-        transformer = load_transformer(transformer_cls, path, device)
+        transformer = load_transformer(transformer_cls, path, device, base=args.pretrained_model_name_or_path)
         try:
             bad = nonfinite_weights(transformer)
             if bad:

@@ -20,6 +20,7 @@ from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_chec
                           decide_on_rank0, gather_tensor, init_distributed, is_distributed, resolve_weight_type,
                           shutdown, wrap_fsdp)
 from .ema import ParamEMA
+from .lora import LoraWeights, add_lora
 from .errors import Interrupted
 from .finite import require_finite
 from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages, num_train_timesteps,
@@ -32,6 +33,7 @@ from .resume import plan_run, tool_plan
 from .run_config import snapshot
 from .sde import at_least_fp32, flux_step, model_timesteps, sigma_schedule
 from .signals import StopRequest, signal_name
+from .state_memory import describe_bytes, per_rank_bytes
 
 
 @dataclass
@@ -333,9 +335,14 @@ def setup(args, family, plan=None):
     dataset = PromptEmbeddingDataset(args.data_json_path, family.embedding_fields)
     reward_fn = WeightedReward(args.reward_terms, device, args)
     raw, vae = family.load(args, device)
+    weights_format = ckpt.FullWeights()
+    if args.use_lora:
+        add_lora(raw, args, seed)
+        weights_format = LoraWeights(args, family.pipeline_class_name)
     if resume:
-        ckpt.load_weights_into(raw, resume)
+        weights_format.load_into(raw, resume)
     num_params = sum(p.numel() for p in raw.parameters())  # before FSDP shards them
+    num_trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
     model = prepare_transformer(args, family, raw, device, world_size)
     optimizer, scheduler = build_optimizer(args, model)
     ema = ParamEMA(model, args.ema_decay) if args.use_ema else None
@@ -345,7 +352,7 @@ def setup(args, family, plan=None):
         state = ckpt.load_training_state(resume, model, optimizer, scheduler)
         start_step = state["step"] if state else 0
         if ema is not None and os.path.isdir(os.path.join(resume, "ema")):
-            ema.load_full_state(model, ckpt.load_folder_state(os.path.join(resume, "ema")))
+            ema.load_full_state(model, weights_format.read_state(os.path.join(resume, "ema")))
 
     sigmas = sigma_schedule(args.sampling_steps, args.shift)
     loader = infinite_prompt_batches(dataset, args.train_batch_size, rank, world_size,
@@ -359,6 +366,8 @@ def setup(args, family, plan=None):
     ctx.extra["dataset"] = dataset
     ctx.extra["num_prompts"] = len(dataset)
     ctx.extra["num_params"] = num_params
+    ctx.extra["num_trainable"] = num_trainable
+    ctx.extra["weights_format"] = weights_format
     return ctx
 
 
@@ -368,13 +377,15 @@ def save(ctx, step):
     finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
     require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
                    " (checked before writing a checkpoint, which was not written)")
+    weights_format = ctx.extra.get("weights_format", ckpt.FullWeights())
     ema_state = None
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
-            ema_state = ckpt.full_model_state(ctx.transformer)
+            ema_state = ckpt.full_model_state(ctx.transformer, weights_format.trainable_only)
     path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.transformer, ctx.raw_transformer.config,
                                 ctx.optimizer, ctx.lr_scheduler, ctx.rank, ema_state=ema_state,
-                                extra_state={"seed": ctx.seed}, run_config=snapshot(ctx.args, ctx.seed))
+                                extra_state={"seed": ctx.seed}, run_config=snapshot(ctx.args, ctx.seed),
+                                weights_format=weights_format)
     if ctx.rank == 0:
         ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
                                protect=(path, ctx.extra.get("resumed_from")))
@@ -408,15 +419,20 @@ def describe(ctx):
     n_params = ctx.extra["num_params"]
     samples = args.train_batch_size * (args.num_generations if args.use_group else 1)
     n_train = num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
-    precision = ""
+    precision, weight_type = "", "fp32"
     if ctx.world_size > 1:
         weight_type = resolve_weight_type(args.master_weight_type, ctx.family.gpu_fsdp_weight_type, ctx.device)
         precision = f" (FSDP {weight_type})"
+    lora = (f" | LoRA r{args.lora_rank} alpha {args.lora_alpha} on {args.lora_target_modules}: "
+            f"{ctx.extra['num_trainable'] / 1e6:.3f}M trainable" if args.use_lora else "")
     return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s){precision} on "
-            f"{ctx.device} | "
+            f"{ctx.device}{lora} | "
             f"{samples} samples/rank/step, S={args.sampling_steps}, {n_train} trained transitions/sample, "
             f"GA={args.gradient_accumulation_steps} | seed {ctx.seed}"
-            + (f" | resumed from {ctx.extra['resumed_from']} at step {ctx.step}" if ctx.extra.get("resumed_from") else ""))
+            + (f" | resumed from {ctx.extra['resumed_from']} at step {ctx.step}" if ctx.extra.get("resumed_from") else "")
+            + "\ntraining state: " + describe_bytes(per_rank_bytes(
+                "lora" if args.use_lora else "fsdp", n_params, ctx.extra["num_trainable"], ctx.world_size,
+                weight_type)))
 
 
 def _open_wandb(args, rank):

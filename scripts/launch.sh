@@ -96,6 +96,14 @@ MSG
         --output_dir "$OUTPUT_DIR" --cache_dir "$CACHE_DIR" "${COMMON_RECIPE[@]}" "${MODEL_RECIPE[@]}")
 fi
 
+# LORA=1: train a LoRA adapter (dancegrpo.lora); the LoRA entry module and recipe are the caller's.
+case "${LORA:-0}" in
+  1) ARGS+=(--use_lora --lora_rank "${LORA_RANK:-128}" --lora_alpha "${LORA_ALPHA:-256}"
+            --lora_target_modules "${LORA_TARGET_MODULES:-to_q,to_k,to_v,to_out.0}") ;;
+  0) ;;
+  *) echo "error: LORA must be 0 (full fine-tune) or 1 (LoRA adapter), got '${LORA}'" >&2; exit 2 ;;
+esac
+
 if [[ "$JAGG" == "1" ]]; then
   LAUNCH=(-m "$JAGG_LAUNCHER" "$MODULE" --jagg_window "$JAGG_WINDOW" --jagg_frac "$JAGG_FRAC" --jagg_mode "$JAGG_MODE"
           --jagg_grouping "$JAGG_GROUPING" --jagg_alpha "$JAGG_ALPHA" --jagg_backward "$JAGG_BACKWARD")

@@ -42,3 +42,18 @@ def test_fsdp_two_ranks_window_split_equals_single_process(cache_dir, tmp_path):
     # rank 0: 4 samples x 2 windows; each JAGG window (0 or 1) costs 2 backwards in 2 calls, window 2 one
     assert result["jagg_groups"] >= 1
     assert result["transformer_backwards"] == result["transformer_forwards_grad"] < 4 * 6
+
+
+@pytest.mark.parametrize("jagg", [[], ["--apply_jagg", "--jagg_window", "4", "--jagg_frac", "1.0"]],
+                         ids=["vanilla", "jagg"])
+def test_fsdp_two_ranks_lora_gradient_equals_single_process(cache_dir, tmp_path, jagg):
+    """--use_lora under FSDP1 (frozen base and trainable adapter in the same units): the adapter's
+    gradient over two ranks equals the single-process one; only adapter tensors are compared."""
+    lora = ["--use_lora", "--lora_rank", "4", "--lora_alpha", "8"]
+    result = run_torchrun(SCRIPT, cache_dir, tmp_path / "grad.json", FAST + lora + jagg)
+    assert result["world_size"] == 2 and result["ref_norm"] > 0
+    assert result["rel_err"] < 1e-5, result
+    # A and B of to_q, to_k, to_v, to_out.0 in the double block and to_q, to_k, to_v in the single
+    # block (its attention has no to_out)
+    assert result["num_trained_tensors"] == 2 * (4 + 3)
+    assert result["transformer_backwards"] == (8 if jagg else 16)

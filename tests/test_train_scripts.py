@@ -178,3 +178,25 @@ def test_authors_recipes(tmp_path, recipe, extra, jagg):
 def test_unknown_recipe_is_an_error(tmp_path):
     res = run_sh(SCRIPTS["qwenimage"], {"RECIPE": "authors"}, stub=make_stub(tmp_path))
     assert res.returncode == 2 and "RECIPE must be upstream, authors_standard or authors_jagg" in res.stderr
+
+
+def test_lora_recipes(tmp_path):
+    """LORA=1: Flux through upstream's LoRA entry module with its recipe (r 128, alpha 256, lr 3e-4,
+    S 12, batch 2, GA 12, no EMA); Qwen-Image with the same adapter flags; JAGG=1 on top."""
+    env, stub = stubbed_run(tmp_path, LORA="1")
+    assert run_sh(SCRIPTS["flux"], env, stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    assert argv[:4] == ["--standalone", "--nproc_per_node=8", "-m", "dancegrpo.train_grpo_flux_lora"]
+    args = parse_args(importlib.import_module("dancegrpo.train_grpo_flux_lora").build_parser(), argv[4:])
+    expected = dict(use_lora=True, lora_rank=128, lora_alpha=256, lora_target_modules="to_q,to_k,to_v,to_out.0",
+                    learning_rate=3e-4, sampling_steps=12, train_batch_size=2, gradient_accumulation_steps=12,
+                    use_ema=False)
+    assert {k: getattr(args, k) for k in expected} == expected
+    env.update(JAGG="1", LORA_RANK="16")
+    assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    assert argv[3:5] == ["jagg_patch", "dancegrpo.train_grpo_qwenimage"]
+    args = parse_args(importlib.import_module("dancegrpo.train_grpo_qwenimage").build_parser(), argv[5 + 12:])
+    assert (args.use_lora, args.lora_rank, args.lora_alpha, args.learning_rate) == (True, 16, 256, 3e-4)
+    res = run_sh(SCRIPTS["flux"], {**env, "LORA": "yes"}, stub=stub)
+    assert res.returncode == 2 and "LORA must be 0" in res.stderr

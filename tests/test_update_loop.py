@@ -25,29 +25,43 @@ def reference_velocity(model, z, t, cond, h, w):
     return out.sample
 
 
+def reference_step_loss(v, rollout, b, k, adv, sigmas, args):
+    """The PPO-clip loss of sample b's transition k given its velocity v, as upstream writes it."""
+    s, s_next = float(sigmas[k]), float(sigmas[k + 1])
+    z, z_next = rollout.latents[b:b + 1, k], rollout.latents[b:b + 1, k + 1]
+    x0 = z - s * v
+    mean = z + (s_next - s) * (v + 0.5 * args.eta ** 2 * (z - (1 - s) * x0) / s ** 2)
+    std = args.eta * math.sqrt(s - s_next)
+    logp = torch.distributions.Normal(mean, std).log_prob(z_next).mean()
+    ratio = torch.exp(logp - rollout.log_probs[b, k])
+    a = adv[b].clamp(-args.adv_clip_max, args.adv_clip_max)
+    return torch.maximum(-a * ratio, -a * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+
+
+def reference_t(sigma):
+    """upstream: int() of the float32 product sigma * 1000, over 1000"""
+    return int(np.float32(sigma) * np.float32(1000)) / 1000
+
+
+def reference_step_velocity(model, rollout, cond, b, k, sigmas, args):
+    t = torch.tensor([reference_t(float(sigmas[k]))], dtype=torch.float64)
+    return reference_velocity(model, rollout.latents[b:b + 1, k], t, {key: val[b:b + 1] for key, val in cond.items()},
+                              args.h, args.w)
+
+
 def reference_loss(model, rollout, cond, adv, steps, sigmas, args, normaliser):
     """sum over samples and trained transitions of the PPO-clip loss, as upstream writes it per step
     (-1 in `steps` marks no transition)."""
     total = 0.0
     for b in range(steps.shape[0]):
         for k in [k for k in steps[b].tolist() if k >= 0]:
-            s, s_next = float(sigmas[k]), float(sigmas[k + 1])
-            z, z_next = rollout.latents[b:b + 1, k], rollout.latents[b:b + 1, k + 1]
-            # upstream: int() of the float32 product sigma * 1000
-            t = torch.tensor([int(np.float32(s) * np.float32(1000)) / 1000], dtype=torch.float64)
-            v = reference_velocity(model, z, t, {key: val[b:b + 1] for key, val in cond.items()}, args.h, args.w)
-            x0 = z - s * v
-            mean = z + (s_next - s) * (v + 0.5 * args.eta ** 2 * (z - (1 - s) * x0) / s ** 2)
-            std = args.eta * math.sqrt(s - s_next)
-            logp = torch.distributions.Normal(mean, std).log_prob(z_next).mean()
-            ratio = torch.exp(logp - rollout.log_probs[b, k])
-            a = adv[b].clamp(-args.adv_clip_max, args.adv_clip_max)
-            total = total + torch.maximum(-a * ratio, -a * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+            v = reference_step_velocity(model, rollout, cond, b, k, sigmas, args)
+            total = total + reference_step_loss(v, rollout, b, k, adv, sigmas, args)
     return total / normaliser
 
 
-def float64_setup(make_args, update_batch_size):
-    args = make_args(*FAST, "--clip_range", "0.05", "--update_batch_size", update_batch_size)
+def float64_setup(make_args, update_batch_size, *extra):
+    args = make_args(*FAST, "--clip_range", "0.05", "--update_batch_size", update_batch_size, *extra)
     ctx = trainer.setup(args, FluxFamily(args))
     ctx.transformer.double()
     cond, captions = trainer.expand_groups(args, next(ctx.loader))

@@ -26,6 +26,7 @@ class FluxFamily(ModelFamily):
     block_class_names = ("FluxTransformerBlock", "FluxSingleTransformerBlock")
     transformer_class_name = "FluxTransformer2DModel"
     vae_class_name = "AutoencoderKL"
+    pipeline_class_name = "FluxPipeline"  # its save_lora_weights / load_lora_weights: the LoRA file format
 
     def __init__(self, args):
         super().__init__(args)

@@ -28,6 +28,7 @@ class QwenImageFamily(ModelFamily):
     gpu_fsdp_weight_type = "bf16"
     transformer_class_name = "QwenImageTransformer2DModel"
     vae_class_name = "AutoencoderKLQwenImage"
+    pipeline_class_name = "QwenImagePipeline"  # its save_lora_weights / load_lora_weights: the LoRA file format
 
     def __init__(self, args):
         super().__init__(args)

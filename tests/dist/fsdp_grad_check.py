@@ -50,6 +50,9 @@ def main(cache_dir, out_json, flags):
     assert isinstance(ctx.transformer, FSDP), "expected FSDP under torchrun"
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_model, _ = ctx.family.load(args, ctx.device)   # same weights, unwrapped
+    if args.use_lora:
+        from dancegrpo.lora import add_lora
+        add_lora(ref_model, args, ctx.seed)             # the same adapter: drawn from the run seed
     cond, rollout, adv, steps, num_train = same_data_on_every_rank(ctx, ref_model, num_prompts=2)
     normaliser = args.gradient_accumulation_steps * num_train
     update = train_grpo_flux.policy_update  # resolved like train_one_step does: a patch applies here too
@@ -63,7 +66,7 @@ def main(cache_dir, out_json, flags):
     ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
     ref_model.train()
     trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser, update)
-    ref = {k: p.grad for k, p in ref_model.named_parameters()}
+    ref = {k: p.grad for k, p in ref_model.named_parameters() if p.requires_grad}
     assert set(ref) == set(fsdp_grads), sorted(set(ref) ^ set(fsdp_grads))[:4]
     num = sum(((fsdp_grads[k] - ref[k]) ** 2).sum() for k in ref).sqrt().item()
     den = sum((ref[k] ** 2).sum() for k in ref).sqrt().item()
@@ -71,6 +74,7 @@ def main(cache_dir, out_json, flags):
     if rank == 0:
         with open(out_json, "w") as f:
             json.dump({"rel_err": num / den, "ref_norm": den, "world_size": world, "jagg_groups": stats.jagg_groups,
+                       "num_trained_tensors": len(ref),
                        "backward_calls": stats.backward_calls, **counts}, f)
     dist.barrier()
     dist.destroy_process_group()
