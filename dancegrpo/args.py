@@ -7,6 +7,7 @@ import sys
 
 from . import presets
 from .distributed import SHARDING_STRATEGIES, WEIGHT_TYPES
+from .engine_deepspeed import add_engine_args, validate_engine_args
 from .lora import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, resolve_reward_spec
 
@@ -131,6 +132,7 @@ def build_parser(family, description=None):
     g.add_argument("--shuffle_advantages", **bool_flag,
                    help="Control run: randomly permute the advantages over the step's samples.")
     add_lora_args(p)
+    add_engine_args(p)
     add_reward_args(p)
     p.set_defaults(family=family)
     return p
@@ -223,4 +225,5 @@ def validate_args(args):
     if args.use_group and args.num_generations < 2:
         raise ValueError("--use_group needs --num_generations >= 2")
     validate_lora_args(args)
+    validate_engine_args(args)
     args.reward_terms = resolve_reward_spec(args)

@@ -150,11 +150,12 @@ def _disk_full(output_dir, final, error):
 
 
 def save_checkpoint(output_dir, step, epoch, model, config, optimizer, lr_scheduler, rank,
-                    ema_state=None, extra_state=None, run_config=None, weights_format=FullWeights):
-    """Collective: every rank calls it. Every rank writes its optimizer shard, rank 0 the
-    weights (`weights_format`: full transformer folder or LoRA adapter) and the rest. Returns the
-    final folder."""
-    weights = full_model_state(model, weights_format.trainable_only)
+                    ema_state=None, extra_state=None, run_config=None, weights_format=FullWeights, engine=None):
+    """Collective: every rank calls it. Every rank writes its optimizer shard (under DeepSpeed,
+    `engine` writes its own sharded state into deepspeed/), rank 0 the weights (`weights_format`:
+    full transformer folder or LoRA adapter) and the rest. Returns the final folder."""
+    weights = (engine.full_state(weights_format.trainable_only) if engine is not None
+               else full_model_state(model, weights_format.trainable_only))
     final = checkpoint_dir(output_dir, step, epoch)
     tmp = final + ".tmp"
     if rank == 0:
@@ -163,7 +164,10 @@ def save_checkpoint(output_dir, step, epoch, model, config, optimizer, lr_schedu
     barrier()
     error = None
     try:
-        sharded_state.save_optimizer(model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
+        if engine is not None:
+            engine.save(tmp)
+        else:
+            sharded_state.save_optimizer(model, optimizer, os.path.join(tmp, OPTIMIZER_DIR))
         if rank == 0:
             state = {"step": step, "epoch": epoch, "lr_scheduler": lr_scheduler.state_dict(), **(extra_state or {})}
             _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config, weights_format)
@@ -294,7 +298,7 @@ def load_weights_into(raw_model, folder):
                            f"unexpected {unexpected[:5]}")
 
 
-def load_training_state(folder, model, optimizer, lr_scheduler):
+def load_training_state(folder, model, optimizer, lr_scheduler, engine=None):
     """Restore optimizer and scheduler (collective, after FSDP wrapping); returns the saved dict
     (step, seed...), or None for a weights-only folder.
 
@@ -306,6 +310,10 @@ def load_training_state(folder, model, optimizer, lr_scheduler):
     if not os.path.isfile(path):
         return None
     state = torch.load(path, map_location="cpu", weights_only=False)
+    if engine is not None:  # DeepSpeed restores its own optimizer shards
+        engine.load(folder)
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return state
     sharded = os.path.isdir(os.path.join(folder, OPTIMIZER_DIR))
     saved = (sharded_state.saved_parameters(os.path.join(folder, OPTIMIZER_DIR)) if sharded
              else set(state["optimizer"].get("state", {})))

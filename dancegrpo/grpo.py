@@ -94,12 +94,15 @@ class UpdateBatch:
     timesteps: float tensor [S], model timestep of each transition k = 0..S-1 (the last
         transition is never trained, so S-1 transitions are trainable).
     subset(rows) -> UpdateBatch of the samples at positions `rows` (LongTensor) of this one.
+    backward(outputs, grads=None): torch.autograd.backward's contract, for an engine that must run
+        every backward itself (DeepSpeed); None: torch.autograd.backward.
     """
     predict: Callable
     step_loss: Callable
     steps: torch.Tensor
     timesteps: torch.Tensor
     subset: Callable = None
+    backward: Callable = None
 
 
 @dataclass
@@ -123,7 +126,7 @@ def policy_update(batch: UpdateBatch) -> UpdateStats:
     for j in range(batch.steps.shape[1]):
         k = batch.steps[:, j]
         loss = batch.step_loss(k, batch.predict(k))
-        loss.backward()
+        (batch.backward or torch.autograd.backward)([loss])
         stats.loss += loss.item()
         stats.backward_calls += 1
     return stats

@@ -9,14 +9,16 @@ Setups (N ranks, P parameters, T of them trainable, AdamW with two moments):
 - lora       the same, but only the adapter (T << P) has gradients and optimizer state;
 - zero2      DeepSpeed ZeRO-2, bf16: parameters replicated (2 bytes), gradients sharded (2 bytes),
              optimizer sharded: fp32 master copy + two fp32 moments (12 bytes per trainable);
-- zero3      DeepSpeed ZeRO-3, bf16: everything sharded, optimizer as ZeRO-2.
+- zero3      DeepSpeed ZeRO-3, bf16: everything sharded, optimizer as ZeRO-2;
+- zero0/1    DeepSpeed without sharding / with the optimizer sharded only.
+With LoRA under DeepSpeed, T is the adapter.
 
     python -m dancegrpo.state_memory       # the README table: Flux (12B) and Qwen-Image (20B) on 8 GPUs
 """
 import argparse
 
 GIB = 2 ** 30
-SETUPS = ("fsdp", "lora", "zero2", "zero3")
+SETUPS = ("fsdp", "lora", "zero0", "zero1", "zero2", "zero3")
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -26,6 +28,9 @@ def per_rank_bytes(setup, num_params, num_trainable, world_size, weight_type="fp
     if setup in ("fsdp", "lora"):
         b = DTYPE_BYTES[weight_type]
         out = dict(params=num_params * b / n, grads=num_trainable * b / n, optimizer=2 * num_trainable * b / n)
+    elif setup in ("zero0", "zero1"):   # data parallel; ZeRO-1 shards the optimizer only
+        out = dict(params=num_params * 2, grads=num_trainable * 2,
+                   optimizer=12 * num_trainable / (n if setup == "zero1" else 1))
     elif setup == "zero2":
         out = dict(params=num_params * 2, grads=num_trainable * 2 / n, optimizer=12 * num_trainable / n)
     elif setup == "zero3":
@@ -77,7 +82,7 @@ def table(world_size=8):
              "|---|---|---|---|---|---|"]
     for name, (cls_name, config, weight_type) in REAL_MODELS.items():
         total, adapter = count_real_model(cls_name, config)
-        for setup in SETUPS:
+        for setup in ("fsdp", "lora", "zero2", "zero3"):
             trainable = adapter if setup == "lora" else total
             b = per_rank_bytes(setup, total + (adapter if setup == "lora" else 0), trainable, world_size, weight_type)
             label = {"fsdp": f"FSDP full fine-tune ({weight_type})", "lora": f"FSDP + LoRA r128 ({weight_type} base, "

@@ -20,6 +20,7 @@ from .distributed import (all_reduce_max, all_reduce_mean, apply_activation_chec
                           decide_on_rank0, gather_tensor, init_distributed, is_distributed, resolve_weight_type,
                           shutdown, wrap_fsdp)
 from .ema import ParamEMA
+from .engine_deepspeed import DeepSpeedRun
 from .lora import LoraWeights, add_lora
 from .errors import Interrupted
 from .finite import require_finite
@@ -65,6 +66,7 @@ class TrainContext:
     world_size: int = 1
     seed: int = 0
     ema: object = None
+    engine: object = None             # engine_deepspeed.DeepSpeedRun under --engine deepspeed
     step: int = 0
     activation_meter: ActivationMeter = field(default_factory=ActivationMeter)
     extra: dict = field(default_factory=dict)
@@ -169,7 +171,8 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
     def subset(rows):
         return make_update_batch(ctx, rollout, cond, advantages, sample_idx[rows], steps[rows], normaliser)
 
-    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps, subset=subset)
+    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps, subset=subset,
+                       backward=ctx.engine.backward if ctx.engine is not None else None)
 
 
 def compute_advantages(ctx, rewards, all_rewards, host_gen):
@@ -211,13 +214,25 @@ def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update, selec
                                                      policy_update)
         where = f" (optimizer step {len(grad_norms) + 1} of this step, samples {block}..{int(idx[-1])})"
         require_finite("loss", block_stats.loss, ctx.step, ctx.device, where)
-        grad_norms.append(clip_grad_norm(ctx.transformer, args.max_grad_norm))
-        require_finite("grad norm", grad_norms[-1], ctx.step, ctx.device, where)
+        grad_norms.append(optimizer_step(ctx, where))
         stats += block_stats
-        ctx.optimizer.step()
-        ctx.lr_scheduler.step()
-        ctx.optimizer.zero_grad(set_to_none=True)
     return stats, grad_norms, selection.num_train
+
+
+def optimizer_step(ctx, where):
+    """Clip, check the norm, step, schedule; returns the grad norm before clipping. DeepSpeed's
+    engine clips inside its step, so there the norm is checked after it (a non-finite one stops
+    the run before any checkpoint is written: `save` checks the weights)."""
+    if ctx.engine is not None:
+        norm = ctx.engine.optimizer_step()
+        require_finite("grad norm", norm, ctx.step, ctx.device, where)
+    else:
+        norm = clip_grad_norm(ctx.transformer, ctx.args.max_grad_norm)
+        require_finite("grad norm", norm, ctx.step, ctx.device, where)
+        ctx.optimizer.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.lr_scheduler.step()
+    return norm
 
 
 def expand_groups(args, batch):
@@ -343,16 +358,26 @@ def setup(args, family, plan=None):
         weights_format.load_into(raw, resume)
     num_params = sum(p.numel() for p in raw.parameters())  # before FSDP shards them
     num_trainable = sum(p.numel() for p in raw.parameters() if p.requires_grad)
-    model = prepare_transformer(args, family, raw, device, world_size)
-    optimizer, scheduler = build_optimizer(args, model)
-    ema = ParamEMA(model, args.ema_decay) if args.use_ema else None
+    engine = None
+    if args.engine == "deepspeed":
+        raw.to(device).train()
+        if args.gradient_checkpointing and args.selective_checkpointing > 0:
+            apply_activation_checkpointing(raw, family.block_classes(raw), args.selective_checkpointing)
+        optimizer, scheduler = build_optimizer(args, raw)
+        engine = DeepSpeedRun(raw, optimizer, args, device)
+        model = engine.engine
+    else:
+        model = prepare_transformer(args, family, raw, device, world_size)
+        optimizer, scheduler = build_optimizer(args, model)
+    ema_model = raw if engine is not None else model   # the engine's names carry a module. prefix
+    ema = ParamEMA(ema_model, args.ema_decay) if args.use_ema else None
 
     start_step = 0
     if resume:
-        state = ckpt.load_training_state(resume, model, optimizer, scheduler)
+        state = ckpt.load_training_state(resume, model, optimizer, scheduler, engine)
         start_step = state["step"] if state else 0
         if ema is not None and os.path.isdir(os.path.join(resume, "ema")):
-            ema.load_full_state(model, weights_format.read_state(os.path.join(resume, "ema")))
+            ema.load_full_state(ema_model, weights_format.read_state(os.path.join(resume, "ema")))
 
     sigmas = sigma_schedule(args.sampling_steps, args.shift)
     loader = infinite_prompt_batches(dataset, args.train_batch_size, rank, world_size,
@@ -361,7 +386,7 @@ def setup(args, family, plan=None):
     ctx = TrainContext(args=args, family=family, transformer=model, raw_transformer=raw, vae=vae,
                        reward_fn=reward_fn, optimizer=optimizer, lr_scheduler=scheduler, loader=loader,
                        device=device, counter=PassCounter(raw), sigmas=sigmas, timesteps=model_timesteps(sigmas),
-                       rank=rank, world_size=world_size, seed=seed, ema=ema, step=start_step)
+                       rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step)
     ctx.extra["resumed_from"] = resume
     ctx.extra["dataset"] = dataset
     ctx.extra["num_prompts"] = len(dataset)
@@ -381,11 +406,12 @@ def save(ctx, step):
     ema_state = None
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
-            ema_state = ckpt.full_model_state(ctx.transformer, weights_format.trainable_only)
+            ema_state = (ctx.engine.full_state(weights_format.trainable_only) if ctx.engine is not None
+                         else ckpt.full_model_state(ctx.transformer, weights_format.trainable_only))
     path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.transformer, ctx.raw_transformer.config,
                                 ctx.optimizer, ctx.lr_scheduler, ctx.rank, ema_state=ema_state,
                                 extra_state={"seed": ctx.seed}, run_config=snapshot(ctx.args, ctx.seed),
-                                weights_format=weights_format)
+                                weights_format=weights_format, engine=ctx.engine)
     if ctx.rank == 0:
         ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
                                protect=(path, ctx.extra.get("resumed_from")))
@@ -423,6 +449,8 @@ def describe(ctx):
     if ctx.world_size > 1:
         weight_type = resolve_weight_type(args.master_weight_type, ctx.family.gpu_fsdp_weight_type, ctx.device)
         precision = f" (FSDP {weight_type})"
+    if ctx.engine is not None:
+        precision = f" (DeepSpeed ZeRO-{ctx.engine.stage})"
     lora = (f" | LoRA r{args.lora_rank} alpha {args.lora_alpha} on {args.lora_target_modules}: "
             f"{ctx.extra['num_trainable'] / 1e6:.3f}M trainable" if args.use_lora else "")
     return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s){precision} on "
@@ -431,8 +459,14 @@ def describe(ctx):
             f"GA={args.gradient_accumulation_steps} | seed {ctx.seed}"
             + (f" | resumed from {ctx.extra['resumed_from']} at step {ctx.step}" if ctx.extra.get("resumed_from") else "")
             + "\ntraining state: " + describe_bytes(per_rank_bytes(
-                "lora" if args.use_lora else "fsdp", n_params, ctx.extra["num_trainable"], ctx.world_size,
-                weight_type)))
+                state_setup(ctx), n_params, ctx.extra["num_trainable"], ctx.world_size, weight_type)))
+
+
+def state_setup(ctx):
+    """The dancegrpo.state_memory setup of this run."""
+    if ctx.engine is not None:
+        return f"zero{ctx.engine.stage}"
+    return "lora" if ctx.args.use_lora else "fsdp"
 
 
 def _open_wandb(args, rank):

@@ -66,11 +66,11 @@ def _broadcast_alpha(alpha_j, like):
     return alpha_j.to(device=like.device, dtype=like.dtype)
 
 
-def _exact_group(predict, step_loss, width):
+def _exact_group(predict, step_loss, width, run_backward):
     result = GroupResult()
     for j in range(width):
         loss = step_loss(j, predict(j))
-        loss.backward()
+        run_backward([loss])
         result.loss += loss.item()
         result.forwards_grad += 1
         result.backward_calls += 1
@@ -94,7 +94,8 @@ def _endpoint_weights(alpha, mode, width):
     return weights
 
 
-def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", backward="joint"):
+def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", backward="joint",
+                        run_backward=None):
     """Accumulate one group's gradient into the parameters `predict` reaches.
 
     predict(j) -> v_j (model output of member j); step_loss(j, v) -> scalar loss of
@@ -106,13 +107,16 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
       backward "split": middles first, then each endpoint's forward with grad and at once its
         own backward, so one endpoint graph is alive at a time (the authors' form).
     "exact": forward with grad + backward for every member.
+    run_backward(outputs, grads): an engine's equivalent of torch.autograd.backward (one call =
+    one backward pass); None: torch.autograd.backward, looked up at call time.
     """
+    run_backward = run_backward or torch.autograd.backward
     _check_choice("mode", mode, MODES)
     _check_choice("alpha rule", alpha, ALPHA_RULES)
     _check_choice("backward", backward, BACKWARDS)
     width = len(t)
     if mode == "exact" or width == 1:
-        return _exact_group(predict, step_loss, width)
+        return _exact_group(predict, step_loss, width, run_backward)
     weights = _endpoint_weights(interpolation_weights(t, alpha), mode, width)
     result, upstream = GroupResult(), {}
 
@@ -134,7 +138,7 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
     if backward == "joint":
         outputs = [forward(j) for j in range(width)]
         # One call for both endpoint graphs: under FSDP one all-gather per module per group.
-        torch.autograd.backward([outputs[0], outputs[-1]], [signal(0), signal(1)])
+        run_backward([outputs[0], outputs[-1]], [signal(0), signal(1)])
         result.backward_calls += 1
         return result
     for j in range(1, width - 1):
@@ -144,7 +148,7 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
     # s_{W-1} and s_corr no s_0.
     for end, j in ((0, 0), (1, width - 1)):
         v = forward(j)
-        torch.autograd.backward(v, signal(end))
+        run_backward([v], [signal(end)])
         result.backward_calls += 1
         del v
     return result

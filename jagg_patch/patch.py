@@ -50,7 +50,8 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
             group_mode = mode if jagg else "exact"
             result = jagg_group_backward(lambda j: sub.predict(cols[:, j]),
                                          lambda j, v: sub.step_loss(cols[:, j], v),
-                                         sub.timesteps.to(cols.device)[cols].T, group_mode, alpha, backward)
+                                         sub.timesteps.to(cols.device)[cols].T, group_mode, alpha, backward,
+                                         sub.backward)
             stats.loss += result.loss
             stats.backward_calls += result.backward_calls
             # Counted per sample, like transformer_backwards (2 per JAGG group).

@@ -20,7 +20,7 @@ SEAMS = (
     ("FAMILY", ("args",)),
 )
 # Fields of the seam's argument / result that the JAGG update reads or fills.
-UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset")
+UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "backward")
 UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups")
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
 

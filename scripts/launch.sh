@@ -96,6 +96,13 @@ MSG
         --output_dir "$OUTPUT_DIR" --cache_dir "$CACHE_DIR" "${COMMON_RECIPE[@]}" "${MODEL_RECIPE[@]}")
 fi
 
+# ENGINE=deepspeed: DeepSpeed ZeRO instead of FSDP, with DEEPSPEED_CONFIG (default: the shipped ZeRO-2 config).
+case "${ENGINE:-fsdp}" in
+  fsdp) ;;
+  deepspeed) ARGS+=(--engine deepspeed --deepspeed_config "${DEEPSPEED_CONFIG:-$(dirname "${BASH_SOURCE[0]}")/../configs/deepspeed/zero2.json}") ;;
+  *) echo "error: ENGINE must be fsdp or deepspeed, got '${ENGINE}'" >&2; exit 2 ;;
+esac
+
 # LORA=1: train a LoRA adapter (dancegrpo.lora); the LoRA entry module and recipe are the caller's.
 case "${LORA:-0}" in
   1) ARGS+=(--use_lora --lora_rank "${LORA_RANK:-128}" --lora_alpha "${LORA_ALPHA:-256}"

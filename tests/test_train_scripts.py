@@ -200,3 +200,17 @@ def test_lora_recipes(tmp_path):
     assert (args.use_lora, args.lora_rank, args.lora_alpha, args.learning_rate) == (True, 16, 256, 3e-4)
     res = run_sh(SCRIPTS["flux"], {**env, "LORA": "yes"}, stub=stub)
     assert res.returncode == 2 and "LORA must be 0" in res.stderr
+
+
+def test_engine_env_var(tmp_path):
+    env, stub = stubbed_run(tmp_path, ENGINE="deepspeed")
+    assert run_sh(SCRIPTS["flux"], env, stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    i = argv.index("--engine")
+    assert argv[i + 1] == "deepspeed" and argv[i + 2] == "--deepspeed_config"
+    assert os.path.samefile(argv[i + 3], os.path.join(ROOT, "configs", "deepspeed", "zero2.json"))
+    env.update(DEEPSPEED_CONFIG=os.path.join(ROOT, "configs", "deepspeed", "zero3.json"))
+    assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
+    assert recorded_argv(env)[recorded_argv(env).index("--deepspeed_config") + 1].endswith("zero3.json")
+    res = run_sh(SCRIPTS["flux"], {**env, "ENGINE": "ddp"}, stub=stub)
+    assert res.returncode == 2 and "ENGINE must be fsdp or deepspeed" in res.stderr

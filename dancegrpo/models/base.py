@@ -32,6 +32,12 @@ def prepare_latent_image_ids(batch_size, height, width, device, dtype):
     return ids.reshape(height * width, 3).to(device=device, dtype=dtype)
 
 
+def model_config(transformer):
+    """The diffusers config of a transformer, also through a wrapper that has a `config` of its own
+    (a DeepSpeed engine's is its JSON config; FSDP forwards attributes)."""
+    return getattr(transformer, "module", transformer).config
+
+
 def latents_to_pil(images):
     """Decoder output in [-1, 1], [B, 3, H, W] -> list of RGB PIL images."""
     arr = ((images.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)

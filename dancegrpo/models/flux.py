@@ -1,7 +1,7 @@
 """Flux (FLUX.1-dev): FluxTransformer2DModel + AutoencoderKL, as upstream trains it."""
 import torch
 
-from .base import (ModelFamily, decode_context, latents_to_pil, pack_latents, prepare_latent_image_ids,
+from .base import (ModelFamily, decode_context, model_config, latents_to_pil, pack_latents, prepare_latent_image_ids,
                    unpack_latents)
 
 
@@ -41,7 +41,7 @@ class FluxFamily(ModelFamily):
         lh, lw = self.latent_hw
         img_ids = prepare_latent_image_ids(1, lh // 2, lw // 2, latents.device, latents.dtype)
         guidance = None
-        if transformer.config.guidance_embeds:
+        if model_config(transformer).guidance_embeds:
             guidance = torch.full((latents.shape[0],), self.guidance, device=latents.device)
         return transformer(
             hidden_states=latents,

@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from .base import ModelFamily, decode_context, latents_to_pil, pack_latents, unpack_latents
+from .base import ModelFamily, decode_context, model_config, latents_to_pil, pack_latents, unpack_latents
 
 
 class QwenImageFamily(ModelFamily):
@@ -62,7 +62,7 @@ class QwenImageFamily(ModelFamily):
         if self._takes_txt_seq_lens:  # diffusers < 0.36 wants the true lengths explicitly
             kwargs["txt_seq_lens"] = [int(n) for n in lengths.tolist()]
         guidance = None
-        if getattr(transformer.config, "guidance_embeds", False):
+        if getattr(model_config(transformer), "guidance_embeds", False):
             guidance = torch.full((latents.shape[0],), self.guidance, device=latents.device)
         return transformer(
             hidden_states=latents,

@@ -40,12 +40,18 @@ def same_data_on_every_rank(ctx, ref_model, num_prompts):
     return cond, trainer.Rollout(latents, log_probs, [], torch.zeros(n)), adv, selection.steps, selection.num_train
 
 
-def main(cache_dir, out_json, flags):
+def check_args(cache_dir, out_json, flags):
+    """The trainer's flags on the tiny preset, with --apply_jagg (+ --jagg_*) patching the trainer."""
     parser = add_jagg_args(train_grpo_flux.build_parser())
     parser.add_argument("--apply_jagg", action="store_true")
     args = parse_args(parser, ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out_json + ".d", *flags])
     if args.apply_jagg:
         apply_jagg(train_grpo_flux, **jagg_kwargs(args))
+    return args
+
+
+def main(cache_dir, out_json, flags):
+    args = check_args(cache_dir, out_json, flags)
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
     assert isinstance(ctx.transformer, FSDP), "expected FSDP under torchrun"
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,61 @@
+"""Run under `torchrun --nproc_per_node=2`: one optimizer step of the policy update under DeepSpeed
+ZeRO, each rank backpropagating half of a batch, must leave the weights of a single-process
+AdamW step on the whole batch (gradients averaged over ranks, as the engine does).
+
+Usage: torchrun --nproc_per_node=2 tests/dist/deepspeed_check.py CACHE_DIR OUT_JSON [trainer flags]
+                [--apply_jagg --jagg_* flags]
+"""
+import dataclasses
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from dancegrpo import train_grpo_flux, trainer
+from dancegrpo.distributed import clip_grad_norm
+
+from fsdp_grad_check import check_args, same_data_on_every_rank
+
+
+def main(cache_dir, out_json, flags):
+    args = check_args(cache_dir, out_json, flags)
+    ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
+    assert ctx.engine is not None, "expected --engine deepspeed"
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref_model, _ = ctx.family.load(args, ctx.device)   # same weights, no engine
+    if args.use_lora:
+        from dancegrpo.lora import add_lora
+        add_lora(ref_model, args, ctx.seed)
+    cond, rollout, adv, steps, num_train = same_data_on_every_rank(ctx, ref_model, num_prompts=2)
+    normaliser = args.gradient_accumulation_steps * num_train
+    update = train_grpo_flux.policy_update
+    n = adv.numel()
+    mine = torch.arange(rank * n // world, (rank + 1) * n // world)
+    ctx.transformer.train()
+    stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update)
+    grad_norm = trainer.optimizer_step(ctx, "")
+    got = ctx.engine.full_state(trainable_only=True)
+
+    ref_ctx = dataclasses.replace(ctx, transformer=ref_model, engine=None)
+    ref_model.train()
+    optimizer, _ = trainer.build_optimizer(args, ref_model)
+    trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser * world, update)
+    ref_norm = clip_grad_norm(ref_model, args.max_grad_norm)
+    optimizer.step()
+    ref = {k: p.detach() for k, p in ref_model.named_parameters() if p.requires_grad}
+    assert set(ref) == set(got), sorted(set(ref) ^ set(got))[:4]
+    err = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    moved = max((ref[k] - dict(ctx.family.load(args, ctx.device)[0].named_parameters()).get(k, ref[k])).abs().max().item()
+                for k in ref)
+    if rank == 0:
+        with open(out_json, "w") as f:
+            json.dump({"max_abs_err": err, "moved": moved, "grad_norm": grad_norm, "ref_grad_norm": ref_norm,
+                       "world_size": world, "stage": ctx.engine.stage, "jagg_groups": stats.jagg_groups,
+                       "num_trained_tensors": len(ref), **ctx.counter.as_dict()}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
