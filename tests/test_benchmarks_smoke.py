@@ -94,3 +94,13 @@ def test_digits_script(tmp_path, cache_dir):
     assert (out / "digits/quality/flux/report/curves.png").is_file()
     fid = json.loads((out / "digits/fidelity_window/fidelity/flux/w4/fidelity.json").read_text())
     assert fid["grouping"] == "window" and fid["rollouts"] == 1
+
+
+def test_gpu_check_refuses_at_once_without_cuda(tmp_path):
+    """benchmarks/gpu_check.sh is for a CUDA machine; here (no GPU) it must stop before any work."""
+    import time
+    start = time.time()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], cwd=str(tmp_path),
+                          env=dict(os.environ, OUT=str(tmp_path / "out")), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and "no CUDA device" in proc.stderr and "nothing was run" in proc.stderr
+    assert not (tmp_path / "out").exists() and time.time() - start < 60

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# ONE prepared check for a CUDA machine with one GPU and about 10 minutes: the small presets
+# (~20M parameters, 256 px) in bf16, for Flux and Qwen-Image,
+#   1. vanilla and JAGG (W 4, jagg_frac 0.6), 3 training steps each, in a single process;
+#   2. the same under `torchrun --nproc_per_node=1` (the launcher's path; with one rank no process
+#      group is created, so this checks the launch, not NCCL collectives);
+#   3. the update-phase micro-benchmark `jagg_patch.bench_update` at upstream's geometry (S 16 /
+#      20, fraction 0.6);
+# then prints ONE table: median step / update seconds, cuda_peak_mb and backwards per step of every
+# run, and bench_update's update / whole-step gains. Outputs under $OUT (runs/gpu_check).
+#
+#   bash benchmarks/gpu_check.sh             # on the GPU machine
+#   MODELS=flux STEPS=2 bash benchmarks/gpu_check.sh
+#
+# Without CUDA it exits at once (status 3) with a message, running nothing.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "gpu_check: no CUDA device (torch.cuda.is_available() is False): run this on a machine with a GPU;" \
+       "nothing was run. On CPU use benchmarks/speed.sh with PRESET=small." >&2
+  exit 3
+fi
+OUT="${OUT:-runs/gpu_check}"
+MODELS="${MODELS:-flux qwenimage}"
+STEPS="${STEPS:-3}"
+CACHE_DIR="${CACHE_DIR:-./cache_dir}"
+JAGG_FLAGS=(--jagg_window 4 --jagg_frac 0.6)
+mkdir -p "$OUT"
+T0=$SECONDS
+
+run() {  # name, then the command; its log goes to $OUT/<name>.log
+  local name="$1"; shift
+  echo "== $name" >&2
+  "$@" > "$OUT/$name.log" 2>&1 || { echo "error: $name failed; last lines of $OUT/$name.log:" >&2; tail -20 "$OUT/$name.log" >&2; exit 1; }
+}
+
+for model in $MODELS; do
+  trainer="dancegrpo.train_grpo_$model"
+  S=$([[ "$model" == flux ]] && echo 16 || echo 20)
+  common=(--preset small --cache_dir "$CACHE_DIR" --mixed_precision bf16 --max_train_steps "$STEPS"
+          --overwrite_output_dir --checkpointing_steps 100000)
+  run "$model-vanilla" "$PY" -m "$trainer" "${common[@]}" --output_dir "$OUT/$model-vanilla"
+  run "$model-jagg" "$PY" -m jagg_patch "$trainer" "${JAGG_FLAGS[@]}" "${common[@]}" --output_dir "$OUT/$model-jagg"
+  run "$model-torchrun-vanilla" torchrun --standalone --nproc_per_node=1 -m "$trainer" "${common[@]}" \
+    --output_dir "$OUT/$model-torchrun-vanilla"
+  run "$model-torchrun-jagg" torchrun --standalone --nproc_per_node=1 -m jagg_patch "$trainer" "${JAGG_FLAGS[@]}" \
+    "${common[@]}" --output_dir "$OUT/$model-torchrun-jagg"
+  run "$model-bench_update" "$PY" -m jagg_patch.bench_update "$trainer" --preset small --cache_dir "$CACHE_DIR" \
+    --mixed_precision bf16 --output_dir "$OUT/$model-bench" --sampling_steps "$S" --timestep_fraction 0.6 \
+    "${JAGG_FLAGS[@]}" --bench_reps 3 --bench_json "$OUT/$model-bench_update.json" --bench_md "$OUT/$model-bench_update.md"
+done
+
+OUT="$OUT" MODELS="$MODELS" ELAPSED=$((SECONDS - T0)) "$PY" - <<'PY'
+import json, os, statistics
+out, models = os.environ["OUT"], os.environ["MODELS"].split()
+import torch
+print(f"# GPU check: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | {os.environ['ELAPSED']} s\n")
+print("| run | step s | update s | cuda_peak_mb | backwards / step |")
+print("|---|---|---|---|---|")
+for model in models:
+    for run in ("vanilla", "jagg", "torchrun-vanilla", "torchrun-jagg"):
+        with open(os.path.join(out, f"{model}-{run}", "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        timed = rows[1:] or rows
+        med = lambda k: statistics.median(r[k] for r in timed if k in r) if any(k in r for r in timed) else float("nan")
+        print(f"| {model} {run} | {med('step_time_s'):.3f} | {med('update_time_s'):.3f} | "
+              f"{med('cuda_peak_mb'):.0f} | {med('transformer_backwards'):g} |")
+print("\n| model | bench_update: update gain JAGG | predicted | whole-step gain | activation peak MB vanilla -> JAGG |")
+print("|---|---|---|---|---|")
+for model in models:
+    with open(os.path.join(out, f"{model}-bench_update.json")) as f:
+        b = json.load(f)
+    j = b["modes"]["jagg"]
+    print(f"| {model} | {100 * j['update_gain']:+.1f}% | {100 * b['predicted_update_gain']:+.1f}% | "
+          f"{100 * j['step_gain']:+.1f}% | {b['modes']['vanilla']['activation_peak_mb']:.1f} -> "
+          f"{j['activation_peak_mb']:.1f} |")
+PY
