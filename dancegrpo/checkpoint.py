@@ -68,8 +68,7 @@ def write_transformer_folder(folder, state_dict, config):
 
 class FullWeights:
     """A full fine-tune's checkpoint weights: a drop-in diffusers transformer folder. (A LoRA run
-    uses dancegrpo.lora.LoraWeights: same three members.)"""
-    file_name = WEIGHTS_NAME
+    uses dancegrpo.lora.LoraWeights, with the same members.)"""
     trainable_only = False
 
     @staticmethod

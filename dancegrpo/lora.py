@@ -16,7 +16,6 @@ import json
 import os
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from .checkpoint import LORA_WEIGHTS_NAME, write_transformer_folder
@@ -105,7 +104,6 @@ def merged_state(state, scale):
 
 class LoraWeights:
     """The checkpoint weights of a LoRA run (trainer.save / checkpoint.save_checkpoint call it)."""
-    file_name = LORA_WEIGHTS_NAME
 
     def __init__(self, args, pipeline_class_name):
         self.config = lora_config(args)
@@ -153,11 +151,3 @@ class LoraWeights:
                     raise ConfigError(f"the adapter in {folder!r} has {k} of shape {tuple(v.shape)}, this run "
                                       f"{tuple(params[k].shape)} (--lora_rank differs?)")
                 params[k].copy_(v)
-
-
-def saved_lora_config(folder):
-    """The LoraConfig dict stored with a checkpoint's adapter, or None."""
-    with safe_open(os.path.join(folder, LORA_WEIGHTS_NAME), "pt") as f:
-        meta = f.metadata() or {}
-    raw = meta.get("lora_adapter_metadata") or meta.get("transformer.lora_adapter_metadata")
-    return json.loads(raw) if raw else None
