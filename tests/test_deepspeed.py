@@ -43,12 +43,12 @@ def max_diff(a, b):
 
 
 def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(cache_dir, tmp_path):
-    """Measured: ZeRO-2 bit-equal to the plain single-process run after 2 steps, ZeRO-3 within
-    1e-6; a resume (2 steps, then 1 more from checkpoint-2-0) bit-equal to 3 unbroken steps, with
+    """Measured: ZeRO-2 bit-equal to the plain single-process run after 2 steps, ZeRO-3 9.7e-7 off
+    (tolerance 1e-5: the reduction order of another CPU may differ; a step moves weights ~1e-2); a resume (2 steps, then 1 more from checkpoint-2-0) bit-equal to 3 unbroken steps, with
     the EMA under ZeRO-2."""
     train(cache_dir, tmp_path / "plain", "--max_train_steps", 2)
     plain = weights(tmp_path / "plain" / "checkpoint-2-0")
-    for stage, tol in ((2, 0.0), (3, 1e-6)):
+    for stage, tol in ((2, 0.0), (3, 1e-5)):
         ema = ["--use_ema"] if stage == 2 else []
         run = train(cache_dir, tmp_path / f"z{stage}", *zero(stage), "--max_train_steps", 3, *ema)
         assert f"(DeepSpeed ZeRO-{stage})" in run.stdout and "training state:" in run.stdout
