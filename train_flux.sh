@@ -12,7 +12,8 @@
 #   NPROC=4 OUTPUT_DIR=runs/f bash train_flux.sh --max_train_steps 10   # extra flags pass through
 #
 # Every value below can be overridden by an environment variable of the same name;
-# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, LORA=0|1, LORA_RANK, LORA_ALPHA, LORA_TARGET_MODULES,
+# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, JAGG_BACKWARD, JAGG_REUSE_ROLLOUT, LORA=0|1, LORA_RANK, LORA_ALPHA,
+# LORA_TARGET_MODULES,
 # NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 MODULE="dancegrpo.train_grpo_flux"

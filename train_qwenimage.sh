@@ -11,7 +11,7 @@
 #   RECIPE=authors_jagg bash train_qwenimage.sh       # the JAGG authors' run_jagg.sh (their JAGG variant)
 #
 # Every value below can be overridden by an environment variable of the same name;
-# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, JAGG_GROUPING, JAGG_ALPHA, JAGG_BACKWARD, NPROC,
+# JAGG=0|1, JAGG_WINDOW, JAGG_FRAC, JAGG_MODE, JAGG_GROUPING, JAGG_ALPHA, JAGG_BACKWARD, JAGG_REUSE_ROLLOUT, NPROC,
 # TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 # RECIPE: upstream (default, DanceGRPO's Qwen-Image recipe) or the first JAGG author's scripts
@@ -33,7 +33,7 @@ case "${RECIPE:-upstream}" in
     else
       # run_jagg.sh's comment says a window of 5; its flag (--sum_sample) says 4: the flag is taken.
       : "${SAMPLING_STEPS:=21}" "${NUM_GENERATIONS:=12}" "${JAGG:=1}" "${JAGG_WINDOW:=4}" "${JAGG_FRAC:=1.0}"
-      : "${JAGG_GROUPING:=window}" "${JAGG_ALPHA:=index}" "${JAGG_BACKWARD:=split}"
+      : "${JAGG_GROUPING:=window}" "${JAGG_ALPHA:=index}" "${JAGG_BACKWARD:=split}" "${JAGG_REUSE_ROLLOUT:=off}"
     fi ;;
   *) echo "error: RECIPE must be upstream, authors_standard or authors_jagg, got '${RECIPE}'" >&2; exit 2 ;;
 esac

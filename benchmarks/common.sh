@@ -46,14 +46,14 @@ sampling_steps() { [[ "$1" == flux ]] && echo "$S_FLUX" || echo "$S_QWEN"; }
 # with upstream's S / timestep_fraction unless PASS_GEOMETRY=0 (then the preset's or recipe's own).
 run_variant() {
   local model="$1" variant="$2" dir="$3"; shift 3
-  local jagg=1 mode="$variant" grouping=trained alpha=timestep backward=joint frac="$JAGG_FRAC" extra=()
+  local jagg=1 mode="$variant" grouping=trained alpha=timestep backward=auto frac="$JAGG_FRAC" reuse=on_policy extra=()
   case "$variant" in
     vanilla) jagg=0; mode=jagg ;;
     control) jagg=0; mode=jagg; extra=(--shuffle_advantages) ;;   # vanilla with permuted advantages
     jagg|endpoints|exact) ;;
     jagg_split) mode=jagg; backward=split ;;
     jagg_window) mode=jagg; grouping=window ;;
-    authors) mode=jagg; grouping=window; alpha=index; backward=split; frac=1.0 ;;
+    authors) mode=jagg; grouping=window; alpha=index; backward=split; frac=1.0; reuse=off ;;
     *) echo "error: unknown variant '$variant' (VARIANTS takes vanilla, control, jagg, endpoints, exact," \
             "jagg_split, jagg_window, authors)" >&2; exit 2 ;;
   esac
@@ -63,7 +63,7 @@ run_variant() {
   local geom=()
   [[ "${PASS_GEOMETRY:-1}" == 1 ]] && geom=(--sampling_steps "$(sampling_steps "$model")" --timestep_fraction "$TIMESTEP_FRACTION")
   JAGG="$jagg" JAGG_MODE="$mode" JAGG_GROUPING="$grouping" JAGG_ALPHA="$alpha" JAGG_BACKWARD="$backward" \
-    JAGG_FRAC="$frac" OUTPUT_DIR="$dir" bash "$(train_script "$model")" "${geom[@]}" "${SIZE[@]}" "${extra[@]}" "$@" \
+    JAGG_REUSE_ROLLOUT="$reuse" JAGG_FRAC="$frac" OUTPUT_DIR="$dir" bash "$(train_script "$model")" "${geom[@]}" "${SIZE[@]}" "${extra[@]}" "$@" \
     > "$dir.log" 2>&1 || { echo "error: $model / $variant failed; last lines of $dir.log:" >&2; tail -20 "$dir.log" >&2; exit 1; }
 }
 

@@ -96,6 +96,12 @@ class UpdateBatch:
     subset(rows) -> UpdateBatch of the samples at positions `rows` (LongTensor) of this one.
     backward(outputs, grads=None): torch.autograd.backward's contract, for an engine that must run
         every backward itself (DeepSpeed); None: torch.autograd.backward.
+    rollout_output(k) -> the output the rollout's own forward gave for transition k[i] of sample i
+        (no graph); None when the rollout did not keep its outputs (see `wants_rollout_outputs`).
+    on_policy: no optimizer step has run since the rollout, so the parameters are the ones that
+        produced rollout_output (predict(k) without grad would recompute it).
+    predict_batched(ks) -> [v for k in ks]: predict for several transition vectors in ONE
+        transformer call (the samples stacked len(ks) times); the same outputs as separate calls.
     """
     predict: Callable
     step_loss: Callable
@@ -103,6 +109,9 @@ class UpdateBatch:
     timesteps: torch.Tensor
     subset: Callable = None
     backward: Callable = None
+    rollout_output: Callable = None
+    on_policy: bool = False
+    predict_batched: Callable = None
 
 
 @dataclass
@@ -111,12 +120,14 @@ class UpdateStats:
     backward_calls: int = 0
     jagg_groups: int = 0
     exact_groups: int = 0
+    forwards_reused: int = 0   # per sample: model outputs taken from the rollout instead of a forward
 
     def __iadd__(self, other):
         self.loss += other.loss
         self.backward_calls += other.backward_calls
         self.jagg_groups += other.jagg_groups
         self.exact_groups += other.exact_groups
+        self.forwards_reused += other.forwards_reused
         return self
 
 
@@ -130,3 +141,13 @@ def policy_update(batch: UpdateBatch) -> UpdateStats:
         stats.loss += loss.item()
         stats.backward_calls += 1
     return stats
+
+
+# Vanilla needs a forward with grad at every trained transition: the rollout's outputs are of no use.
+policy_update.uses_rollout_outputs = False
+
+
+def wants_rollout_outputs(update):
+    """Whether a policy_update seam asks the rollout to keep its model outputs (memory: one tensor
+    the size of the stored latents) and reads UpdateBatch.rollout_output."""
+    return bool(getattr(update, "uses_rollout_outputs", False))

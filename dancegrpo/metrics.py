@@ -98,7 +98,9 @@ class MetricsWriter:
         mean_time = sum(r["step_time_s"] for r in self.history) / n
         return (f"{n} steps | reward {first['reward_mean']:.4f} -> {last['reward_mean']:.4f} | "
                 f"{mean_time:.2f} s/step | per step: {last['transformer_forwards_grad']} grad fwd, "
-                f"{last['transformer_forwards_nograd']} no-grad fwd, {last['transformer_backwards']} bwd")
+                f"{last['transformer_forwards_nograd']} no-grad fwd, "
+                f"{last.get('transformer_forwards_reused', 0)} reused from the rollout, "
+                f"{last['transformer_backwards']} bwd")
 
 
 def _metrics_upto(lines, step):

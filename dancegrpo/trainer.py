@@ -25,7 +25,7 @@ from .lora import LoraWeights, add_lora
 from .errors import Interrupted
 from .finite import require_finite
 from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages, num_train_timesteps,
-                   ppo_clip_loss, select_train_steps as vanilla_selection)
+                   ppo_clip_loss, select_train_steps as vanilla_selection, wants_rollout_outputs)
 from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
 from .plots import moving_average, plot_reward_curves
@@ -44,6 +44,9 @@ class Rollout:
     log_probs: torch.Tensor   # [B, S] float32, log-prob of each transition under the sampling policy
     images: list
     rewards: torch.Tensor     # [B] float32
+    # [B, S, L, C] the model output at each transition, kept only for a policy update that reuses
+    # it (grpo.wants_rollout_outputs); None otherwise.
+    outputs: torch.Tensor = None
 
 
 @dataclass
@@ -97,9 +100,10 @@ def predict_velocity(ctx, latents, timesteps, cond):
 def run_sample_step(ctx, z, cond, generator):
     """Roll one chunk of samples through all S transitions with the SDE (no grad).
 
-    Returns (x0_hat of the last step, all latents [B, S+1, L, C], log-probs [B, S]).
+    Returns (x0_hat of the last step, all latents [B, S+1, L, C], log-probs [B, S], model
+    outputs [B, S, L, C]).
     """
-    all_latents, all_log_probs = [z], []
+    all_latents, all_log_probs, all_outputs = [z], [], []
     x0 = None
     for i in range(ctx.sigmas.numel() - 1):
         t = ctx.timesteps[i].expand(z.shape[0]).to(z.device)
@@ -108,7 +112,8 @@ def run_sample_step(ctx, z, cond, generator):
                                     sde_solver=True, generator=generator)
         all_latents.append(z)
         all_log_probs.append(log_prob)
-    return x0, torch.stack(all_latents, dim=1), torch.stack(all_log_probs, dim=1)
+        all_outputs.append(v)
+    return x0, torch.stack(all_latents, dim=1), torch.stack(all_log_probs, dim=1), torch.stack(all_outputs, dim=1)
 
 
 def initial_latents(ctx, num_samples, generator):
@@ -122,21 +127,25 @@ def initial_latents(ctx, num_samples, generator):
 
 
 @torch.no_grad()
-def sample_reference_model(ctx, cond, captions, generator):
+def sample_reference_model(ctx, cond, captions, generator, keep_outputs=False):
     """Rollouts of the current policy, decoded and scored. One transformer call per
-    chunk of --sample_batch_size samples and step."""
+    chunk of --sample_batch_size samples and step. keep_outputs: also keep the model outputs."""
     ctx.transformer.eval()
     z0 = initial_latents(ctx, len(captions), generator)
-    latents, log_probs, images = [], [], []
+    latents, log_probs, outputs, images = [], [], [], []
     for start in range(0, len(captions), ctx.args.sample_batch_size):
         sl = slice(start, start + ctx.args.sample_batch_size)
-        x0, chunk_latents, chunk_log_probs = run_sample_step(ctx, z0[sl], {k: v[sl] for k, v in cond.items()},
-                                                             generator)
+        x0, chunk_latents, chunk_log_probs, chunk_outputs = run_sample_step(
+            ctx, z0[sl], {k: v[sl] for k, v in cond.items()}, generator)
         latents.append(chunk_latents)
         log_probs.append(chunk_log_probs)
+        if keep_outputs:
+            outputs.append(chunk_outputs)
+        del chunk_outputs
         images.extend(ctx.family.decode(ctx.vae, x0))
     rewards = ctx.reward_fn(images, captions).to(ctx.device)
-    return Rollout(torch.cat(latents), torch.cat(log_probs), images, rewards)
+    return Rollout(torch.cat(latents), torch.cat(log_probs), images, rewards,
+                   torch.cat(outputs) if keep_outputs else None)
 
 
 def transition_log_prob(ctx, v, latents, next_latents, index):
@@ -152,13 +161,20 @@ def grpo_one_step(ctx, rollout, cond, sample_idx, index):
     return transition_log_prob(ctx, v, z, rollout.latents[sample_idx, index + 1], index)
 
 
-def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normaliser):
-    """Closures over one micro-batch: what `policy_update` works with."""
+def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, on_policy=False):
+    """Closures over one micro-batch: what `policy_update` works with. on_policy: no optimizer
+    step since the rollout (see UpdateBatch)."""
     args = ctx.args
     cond_m = {k: v[sample_idx] for k, v in cond.items()}
 
     def predict(k):
         return predict_velocity(ctx, rollout.latents[sample_idx, k], ctx.timesteps[k].to(ctx.device), cond_m)
+
+    def predict_batched(ks):
+        latents = torch.cat([rollout.latents[sample_idx, k] for k in ks])
+        timesteps = torch.cat([ctx.timesteps[k].to(ctx.device) for k in ks])
+        stacked = {key: value.repeat(len(ks), *([1] * (value.ndim - 1))) for key, value in cond_m.items()}
+        return list(predict_velocity(ctx, latents, timesteps, stacked).split(len(sample_idx)))
 
     def step_loss(k, v):
         log_prob = transition_log_prob(ctx, v, rollout.latents[sample_idx, k], rollout.latents[sample_idx, k + 1], k)
@@ -169,10 +185,16 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
         return per_sample.sum() / normaliser
 
     def subset(rows):
-        return make_update_batch(ctx, rollout, cond, advantages, sample_idx[rows], steps[rows], normaliser)
+        return make_update_batch(ctx, rollout, cond, advantages, sample_idx[rows], steps[rows], normaliser,
+                                 on_policy)
+
+    def rollout_output(k):
+        return rollout.outputs[sample_idx, k]
 
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps, subset=subset,
-                       backward=ctx.engine.backward if ctx.engine is not None else None)
+                       backward=ctx.engine.backward if ctx.engine is not None else None,
+                       rollout_output=rollout_output if rollout.outputs is not None else None, on_policy=on_policy,
+                       predict_batched=predict_batched)
 
 
 def compute_advantages(ctx, rewards, all_rewards, host_gen):
@@ -186,13 +208,15 @@ def compute_advantages(ctx, rewards, all_rewards, host_gen):
     return adv
 
 
-def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, policy_update):
+def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, policy_update,
+                               on_policy=False):
     """Backpropagate the samples `sample_idx` in micro-batches of --update_batch_size
     through the seam; gradients add up in the parameters."""
     stats = UpdateStats()
     for start in range(0, len(sample_idx), ctx.args.update_batch_size):
         idx = sample_idx[start:start + ctx.args.update_batch_size]
-        stats += policy_update(make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser))
+        stats += policy_update(make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser,
+                                                 on_policy))
     return stats
 
 
@@ -211,7 +235,7 @@ def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update, selec
         idx = torch.arange(block, min(block + args.gradient_accumulation_steps, num_samples), device=ctx.device)
         with ctx.activation_meter:
             block_stats = accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser,
-                                                     policy_update)
+                                                     policy_update, on_policy=not grad_norms)
         where = f" (optimizer step {len(grad_norms) + 1} of this step, samples {block}..{int(idx[-1])})"
         require_finite("loss", block_stats.loss, ctx.step, ctx.device, where)
         grad_norms.append(optimizer_step(ctx, where))
@@ -267,7 +291,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
     cond, captions = expand_groups(args, next(ctx.loader))
     cond = {k: v.to(ctx.device) for k, v in cond.items()}
 
-    rollout = sample_reference_model(ctx, cond, captions, noise_gen)
+    rollout = sample_reference_model(ctx, cond, captions, noise_gen, keep_outputs=wants_rollout_outputs(policy_update))
     all_rewards = gather_tensor(rollout.rewards)
     require_finite("reward", all_rewards, ctx.step, ctx.device)
     require_finite("rollout log-prob", rollout.log_probs, ctx.step, ctx.device)
@@ -282,7 +306,8 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
     t_end = time.time()
 
     counts = ctx.counter.as_dict()
-    summed = _sum_over_ranks([*counts.values(), stats.jagg_groups, stats.exact_groups, len(captions)], ctx.device)
+    summed = _sum_over_ranks([*counts.values(), stats.jagg_groups, stats.exact_groups, len(captions),
+                              stats.forwards_reused], ctx.device)
     record = {
         "step": ctx.step,
         "reward_mean": all_rewards.mean().item(),
@@ -294,6 +319,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         "rollout_time_s": t_rollout - t_start,
         "update_time_s": t_end - t_rollout,
         **dict(zip(counts, summed[:3])),
+        "transformer_forwards_reused": summed[6],
         "jagg_groups": summed[3],
         "exact_groups": summed[4],
         "samples": summed[5],

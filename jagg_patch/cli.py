@@ -4,8 +4,8 @@ import argparse
 import importlib
 import sys
 
-from .core import (ALPHA_RULES, BACKWARDS, GROUPINGS, MODES, describe_plan, group_cost, num_trained_windows,
-                   plan_groups, plan_windows)
+from .core import (ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, describe_plan, group_cost,
+                   num_trained_windows, plan_groups, plan_windows, resolve_backward)
 from .seams import SeamError, check_seams
 
 
@@ -77,17 +77,24 @@ def add_jagg_args(parser):
     g.add_argument("--jagg_alpha", choices=ALPHA_RULES, default="timestep",
                    help="Interpolation weight of member j: timestep (the paper), (t_0 - t_j) / (t_0 - t_{W-1}); "
                         "index (the authors' code), j / (W-1).")
-    g.add_argument("--jagg_backward", choices=BACKWARDS, default="joint",
-                   help="joint: one autograd.backward through both endpoint graphs (the paper); split: each "
-                        "endpoint's forward and backward in turn, one graph alive at a time (the authors' code; "
-                        "same gradient, less activation memory).")
+    g.add_argument("--jagg_backward", choices=BACKWARD_CHOICES, default="auto",
+                   help="joint: one autograd.backward through both endpoint graphs (the paper; under FSDP one "
+                        "all-gather and one reduce-scatter per unit per group); split: each endpoint's forward "
+                        "and backward in turn, one graph alive at a time (the authors' code; same gradient, half "
+                        "the activations); auto: joint on several ranks, split on one.")
+    g.add_argument("--jagg_reuse_rollout", choices=REUSE_MODES, default="on_policy",
+                   help="Middle members of a JAGG group take the model output the rollout computed instead of "
+                        "a no-grad forward. on_policy: only before the step's first optimizer step, where it is "
+                        "the same output (exact; all samples when GA covers the rollout); always: also after "
+                        "(stale outputs, an approximation); off: forward every middle member. Keeps S model "
+                        "outputs per sample (the size of the stored latents).")
     return parser
 
 
 def jagg_kwargs(args):
     """apply_jagg / make_policy_update keywords from the parsed JAGG flags."""
     return dict(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
-                backward=args.jagg_backward, grouping=args.jagg_grouping)
+                backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout)
 
 
 def check_trajectory(args):
@@ -103,17 +110,21 @@ def jagg_plan_text(args):
     from dancegrpo.grpo import num_train_timesteps
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
     n_vanilla = num_train_timesteps(num_transitions, args.timestep_fraction)
-    head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {args.jagg_backward}, "
+    backward = resolve_backward(args.jagg_backward)
+    shown = backward if args.jagg_backward != "auto" else f"auto -> {backward}"
+    head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {shown}, "
             f"mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
             f"S={args.sampling_steps} -> {num_transitions} trainable transitions; ")
     if args.jagg_grouping == "trained":
         groups = plan_groups(range(n_vanilla), args.jagg_window, args.jagg_frac)
         backwards = sum(group_cost(g, args.jagg_mode)[2] for g in groups)
+        middles = sum(group_cost(g, args.jagg_mode)[1] for g in groups)
         return "\n".join([head + f"{n_vanilla} trained per sample (timestep_fraction {args.timestep_fraction}), "
                           f"a random subset per sample sorted into denoising order; positions 0..{n_vanilla - 1} "
                           "of that order:",
-                          *describe_plan(groups, args.jagg_mode, args.jagg_backward),
-                          f"  per sample: {backwards} transformer backwards instead of {n_vanilla}"])
+                          *describe_plan(groups, args.jagg_mode, backward),
+                          f"  per sample: {backwards} transformer backwards instead of {n_vanilla}",
+                          reuse_plan_text(args, middles)])
     windows = plan_windows(num_transitions, args.jagg_window, args.jagg_frac)
     n_train = num_trained_windows(len(windows), args.timestep_fraction)
     costs = sorted(group_cost(g, args.jagg_mode)[2] for g in windows)
@@ -121,8 +132,30 @@ def jagg_plan_text(args):
     return "\n".join([head + f"{len(windows)} contiguous windows, {n_train} of them drawn at random per sample and "
                       f"trained whole (timestep_fraction {args.timestep_fraction}); loss / (GA x {n_train} x "
                       f"{args.jagg_window}):",
-                      *describe_plan(windows, args.jagg_mode, args.jagg_backward, "window", "transitions"),
+                      *describe_plan(windows, args.jagg_mode, backward, "window", "transitions"),
                       f"  per sample: {expected:g} transformer backwards expected (min {sum(costs[:n_train])}, "
                       f"max {sum(costs[-n_train:])}) instead of "
                       f"{n_train * num_transitions / len(windows):g} with the exact backward of the same windows "
-                      f"(vanilla trains {n_vanilla} transitions)"])
+                      f"(vanilla trains {n_vanilla} transitions)",
+                      reuse_plan_text(args, n_train * sum(group_cost(g, args.jagg_mode)[1] for g in windows)
+                                      / len(windows))])
+
+
+def rollout_output_bytes(args):
+    """Bytes per sample of the kept rollout outputs in float32: S outputs of (h/16)(w/16) tokens x 64
+    features (both families pack 16 latent channels in 2x2 patches); bf16 outputs take half."""
+    return args.sampling_steps * (args.h // 16) * (args.w // 16) * 64 * 4
+
+
+def reuse_plan_text(args, middles_per_sample):
+    """What --jagg_reuse_rollout saves per sample and costs per rank, with the configured GA."""
+    if args.jagg_reuse_rollout == "off" or middles_per_sample == 0:
+        return f"  rollout reuse {args.jagg_reuse_rollout}: every middle member is forwarded without grad"
+    per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
+    reused = per_rank if args.jagg_reuse_rollout == "always" else min(args.gradient_accumulation_steps, per_rank)
+    mib = rollout_output_bytes(args) / 2 ** 20
+    return (f"  rollout reuse {args.jagg_reuse_rollout}: {middles_per_sample:g} no-grad forwards per sample taken "
+            f"from the rollout for {reused} of the {per_rank} samples per rank (GA "
+            f"{args.gradient_accumulation_steps}{'; after the first optimizer step the outputs are stale' if args.jagg_reuse_rollout == 'always' and reused > args.gradient_accumulation_steps else ''}), "
+            f"{middles_per_sample * reused / per_rank:g} per sample on average; keeps {mib:.2f} MiB per sample in "
+            f"float32, {mib * per_rank:.1f} MiB per rank at {args.h}x{args.w}")

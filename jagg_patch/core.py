@@ -7,13 +7,35 @@ to the exact per-step backward. Nothing here knows about dancegrpo.
 from dataclasses import dataclass
 from fractions import Fraction
 import math
+import os
 
 import torch
 
 MODES = ("jagg", "endpoints", "exact")
 ALPHA_RULES = ("timestep", "index")   # the paper's text | the authors' code
-BACKWARDS = ("joint", "split")        # one autograd call on both endpoints | one endpoint graph at a time
+# joint: one autograd call on both endpoints' graphs | split: one endpoint graph at a time |
+# batched: both endpoints in ONE forward (a batch of 2m) and one backward of that single graph
+BACKWARDS = ("joint", "split", "batched")
+# auto: batched on several ranks (FSDP gathers each unit once for both endpoints' forward and once
+# for their backward, holding one unit at a time), split on one (nothing to communicate; the
+# activations of one endpoint graph at a time).
+BACKWARD_CHOICES = BACKWARDS + ("auto",)
 GROUPINGS = ("trained", "window")     # consecutive trained transitions | contiguous trajectory windows
+# Middle members' outputs taken from the rollout: never | before the step's first optimizer step
+# (exact) | also after it (an approximation: stale outputs)
+REUSE_MODES = ("off", "on_policy", "always")
+
+
+def resolve_backward(backward, world_size=None):
+    """The backward form `auto` stands for with `world_size` ranks (default: this process group's,
+    or torchrun's WORLD_SIZE before it exists); joint and split stand for themselves."""
+    if backward != "auto":
+        return backward
+    if world_size is None:
+        import torch.distributed as dist
+        world_size = (dist.get_world_size() if dist.is_available() and dist.is_initialized()
+                      else int(os.environ.get("WORLD_SIZE", "1")))
+    return "batched" if world_size > 1 else "split"
 
 
 def _check_choice(kind, value, choices):
@@ -47,6 +69,7 @@ class GroupResult:
     loss: float = 0.0          # sum of the member losses
     forwards_grad: int = 0     # predict() calls that built a graph
     forwards_nograd: int = 0
+    forwards_reused: int = 0   # middle members whose output came from `reuse` instead of predict()
     backward_calls: int = 0    # autograd backward invocations
 
 
@@ -95,7 +118,7 @@ def _endpoint_weights(alpha, mode, width):
 
 
 def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", backward="joint",
-                        run_backward=None):
+                        run_backward=None, reuse=None, predict_pair=None):
     """Accumulate one group's gradient into the parameters `predict` reaches.
 
     predict(j) -> v_j (model output of member j); step_loss(j, v) -> scalar loss of
@@ -109,6 +132,12 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
     "exact": forward with grad + backward for every member.
     run_backward(outputs, grads): an engine's equivalent of torch.autograd.backward (one call =
     one backward pass); None: torch.autograd.backward, looked up at call time.
+    reuse(j) -> v_j already computed elsewhere (the rollout's forward), used instead of a middle
+    member's no-grad forward; None: every middle member is forwarded. Middles need no graph, so
+    any v_j equal to predict(j) gives the same gradient.
+    predict_pair(i, j) -> (v_i, v_j) from ONE model call; needed by backward "batched" (middles
+    first, then both endpoints in one forward with grad and one backward of that graph: the
+    parameters' gradient comes out of one pass per layer, nothing to sum across graphs).
     """
     run_backward = run_backward or torch.autograd.backward
     _check_choice("mode", mode, MODES)
@@ -124,6 +153,9 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
         if j in (0, width - 1):
             v = predict(j)
             result.forwards_grad += 1
+        elif reuse is not None:
+            v = reuse(j).detach()
+            result.forwards_reused += 1
         else:
             with torch.no_grad():  # the point of JAGG: no graph, no activations for middles
                 v = predict(j)
@@ -134,6 +166,20 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
 
     def signal(end):  # s_base (end 0) or s_corr (end 1) from the upstream gradients known so far
         return sum(_broadcast_alpha(weights[j][end], s) * s for j, s in upstream.items())
+
+    if backward == "batched":
+        if predict_pair is None:
+            raise ValueError("JAGG backward 'batched' needs predict_pair (one model call for both endpoints)")
+        for j in range(1, width - 1):
+            forward(j)
+        ends = predict_pair(0, width - 1)
+        result.forwards_grad += 2
+        for j, v in zip((0, width - 1), ends):
+            loss, upstream[j] = _upstream_grad(step_loss, j, v)
+            result.loss += loss.item()
+        run_backward(list(ends), [signal(0), signal(1)])
+        result.backward_calls += 1
+        return result
 
     if backward == "joint":
         outputs = [forward(j) for j in range(width)]
@@ -169,15 +215,17 @@ def _round_half_up(x):
     return math.floor(x + Fraction(1, 2))
 
 
-def validate_jagg_config(window, jagg_frac, mode="jagg", alpha="timestep", backward="joint", grouping="trained"):
-    """Raise ValueError naming the fix for a bad window / fraction / mode / alpha / backward / grouping."""
+def validate_jagg_config(window, jagg_frac, mode="jagg", alpha="timestep", backward="joint", grouping="trained",
+                         reuse="off"):
+    """Raise ValueError naming the fix for a bad window / fraction / mode / alpha / backward / grouping / reuse."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
         raise ValueError(f"JAGG window must be an integer >= 2 (a group needs two endpoints), got {window!r}; "
                          "for the exact per-step backward use jagg_frac 0 or mode 'exact'")
     if isinstance(jagg_frac, bool) or not isinstance(jagg_frac, (int, float)) or not 0.0 <= jagg_frac <= 1.0:
         raise ValueError(f"jagg_frac must be a number in [0, 1], got {jagg_frac!r}")
     for kind, value, choices in (("mode", mode, MODES), ("alpha rule", alpha, ALPHA_RULES),
-                                 ("backward", backward, BACKWARDS), ("grouping", grouping, GROUPINGS)):
+                                 ("backward", backward, BACKWARD_CHOICES), ("grouping", grouping, GROUPINGS),
+                                 ("rollout reuse", reuse, REUSE_MODES)):
         _check_choice(kind, value, choices)
 
 
@@ -211,16 +259,17 @@ def num_trained_windows(num_windows, timestep_fraction):
     return max(1, int(num_windows * timestep_fraction))
 
 
-def group_cost(group, mode="jagg"):
-    """(grad forwards, no-grad forwards, backwards) of one group per sample."""
+def group_cost(group, mode="jagg", reused=False):
+    """(grad forwards, no-grad forwards, backwards) of one group per sample; reused: the middle
+    members' outputs come from the rollout (no forward at all)."""
     if group.jagg and mode != "exact":
-        return 2, group.size - 2, 2
+        return 2, 0 if reused else group.size - 2, 2
     return group.size, 0, group.size
 
 
 def describe_plan(groups, mode="jagg", backward="joint", label="group", key="positions"):
     """Human-readable plan: one line per group, and the backward count it implies."""
-    calls = "1 call" if backward == "joint" else "2 calls"
+    calls = "2 calls" if backward == "split" else "1 call"
     lines = []
     for g in groups:
         if g.jagg and mode != "exact":

@@ -9,6 +9,8 @@ Per sample, the update costs F_g x (forwards with grad) + F_ng x (forwards witho
     this project's JAGG        2 F_g + (w-2) F_ng + 2 B   (joint or split backward)
     the authors' pass schedule 2 F_g +  w    F_ng + 2 B   (their code first forwards every
                                                           member without grad, endpoints too)
+    with the rollout's outputs 2 F_g                + 2 B   (--jagg_reuse_rollout, on-policy
+                                                          samples: the middles cost nothing)
 
 The table printed by `main` takes the paper's two speed figures and solves, for each
 variant, the backward/forward cost ratio B/F at which the variant would be that much faster
@@ -21,12 +23,12 @@ from dataclasses import dataclass
 
 from .core import group_cost, num_trained_windows, plan_groups, plan_windows
 
-SCHEDULES = ("project", "authors")
+SCHEDULES = ("project", "authors", "reuse")
 
 
 def group_passes(group, mode="jagg", schedule="project"):
     """(grad forwards, no-grad forwards, backwards) of one group of one sample."""
-    f_grad, f_nograd, backwards = group_cost(group, mode)
+    f_grad, f_nograd, backwards = group_cost(group, mode, reused=schedule == "reuse")
     if schedule == "authors" and group.jagg and mode != "exact":
         f_nograd += 2  # the endpoints' no-grad forwards for the upstream gradients
     return f_grad, f_nograd, backwards
@@ -87,7 +89,9 @@ def dancegrpo_variants(sampling_steps, timestep_fraction, window, jagg_frac, aut
     variants = [Variant(f"paper: trained grouping, W {window}, jagg_frac {jagg_frac} (this project's passes)",
                         sampling_steps, sum_passes(trained)),
                 Variant("same groups, the authors' pass schedule", sampling_steps,
-                        sum_passes(trained, schedule="authors"))]
+                        sum_passes(trained, schedule="authors")),
+                Variant("rollout reuse: same groups, middles from the rollout (on-policy samples)", sampling_steps,
+                        sum_passes(trained, schedule="reuse"))]
     if authors_sampling_steps:
         s, w = authors_sampling_steps, authors_window
         windows = plan_windows(s - 1, w, 1.0)   # their code needs W | S-1: equal windows, any k alike

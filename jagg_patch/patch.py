@@ -11,7 +11,8 @@ import torch
 
 from dancegrpo.grpo import TrainSelection, UpdateStats
 
-from .core import jagg_group_backward, num_trained_windows, plan_groups, plan_windows, validate_jagg_config
+from .core import (jagg_group_backward, num_trained_windows, plan_groups, plan_windows, resolve_backward,
+                   validate_jagg_config)
 from .seams import check_seams
 
 REPLACED = ("policy_update", "select_train_steps")
@@ -38,10 +39,19 @@ def _window_groups(batch, window, jagg_frac):
             yield sub, cols, group.jagg
 
 
+def _reuse_of(sub, cols, reuse):
+    """The rollout's outputs for the group's members where `reuse` allows them for this batch:
+    on_policy only before the step's first optimizer step (exact), always also after (stale)."""
+    if reuse == "off" or sub.rollout_output is None or not (sub.on_policy or reuse == "always"):
+        return None
+    return lambda j: sub.rollout_output(cols[:, j])
+
+
 def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
-                       grouping="trained"):
-    """The JAGG replacement for dancegrpo.grpo.policy_update, configured."""
-    validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping)
+                       grouping="trained", reuse="on_policy"):
+    """The JAGG replacement for dancegrpo.grpo.policy_update, configured. reuse (REUSE_MODES):
+    whether the middle members take the rollout's outputs instead of a no-grad forward."""
+    validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
     groups_of = _window_groups if grouping == "window" else _trained_groups
 
     def policy_update(batch):
@@ -50,10 +60,12 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
             group_mode = mode if jagg else "exact"
             result = jagg_group_backward(lambda j: sub.predict(cols[:, j]),
                                          lambda j, v: sub.step_loss(cols[:, j], v),
-                                         sub.timesteps.to(cols.device)[cols].T, group_mode, alpha, backward,
-                                         sub.backward)
+                                         sub.timesteps.to(cols.device)[cols].T, group_mode, alpha,
+                                         resolve_backward(backward), sub.backward, _reuse_of(sub, cols, reuse),
+                                         lambda i, j: sub.predict_batched([cols[:, i], cols[:, j]]))
             stats.loss += result.loss
             stats.backward_calls += result.backward_calls
+            stats.forwards_reused += result.forwards_reused * cols.shape[0]
             # Counted per sample, like transformer_backwards (2 per JAGG group).
             if group_mode == "exact":
                 stats.exact_groups += cols.shape[0]
@@ -62,7 +74,8 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
         return stats
 
     policy_update.jagg_config = dict(window=window, jagg_frac=jagg_frac, mode=mode, alpha=alpha,
-                                     backward=backward, grouping=grouping)
+                                     backward=backward, grouping=grouping, reuse=reuse)
+    policy_update.uses_rollout_outputs = reuse != "off" and mode != "exact" and jagg_frac > 0
     return policy_update
 
 
@@ -99,10 +112,10 @@ def _trainer_modules(trainer_module):
 
 
 def apply_jagg(trainer_module=None, *, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
-               grouping="trained"):
+               grouping="trained", reuse="on_policy"):
     """Patch the update seams of one trainer module (object or name) or, by default, of every
     trainer in dancegrpo.TRAINERS. Applying again only changes the configuration."""
-    replacements = {"policy_update": make_policy_update(window, jagg_frac, mode, alpha, backward, grouping)}
+    replacements = {"policy_update": make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse)}
     if grouping == "window":
         replacements["select_train_steps"] = make_window_selection(window)
     modules = _trainer_modules(trainer_module)

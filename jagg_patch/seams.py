@@ -20,9 +20,13 @@ SEAMS = (
     ("FAMILY", ("args",)),
 )
 # Fields of the seam's argument / result that the JAGG update reads or fills.
-UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "backward")
-UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups")
+UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "backward", "rollout_output",
+                       "on_policy", "predict_batched")
+UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", "forwards_reused")
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
+# The trainer keeps the rollout's model outputs (UpdateBatch.rollout_output) for a policy_update
+# whose attribute says it reads them; dancegrpo's own policy_update declares False.
+POLICY_UPDATE_ATTRIBUTES = ("uses_rollout_outputs",)
 
 
 class SeamError(RuntimeError):
@@ -52,7 +56,12 @@ def check_seams(module):
         if found != params:
             raise SeamError(f"{module.__name__}.{name} takes {found}, jagg_patch expects {params} "
                             "(see jagg_patch.seams)")
+    from dancegrpo import grpo
     from dancegrpo.grpo import TrainSelection, UpdateBatch, UpdateStats
+    for attribute in POLICY_UPDATE_ATTRIBUTES:
+        if not hasattr(grpo.policy_update, attribute):
+            raise SeamError(f"dancegrpo.grpo.policy_update lacks the attribute {attribute!r} that tells the "
+                            "trainer what jagg_patch's update reads (see jagg_patch.seams)")
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
     _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)

@@ -42,7 +42,8 @@ JAGG_FRAC="${JAGG_FRAC:-0.6}"
 JAGG_MODE="${JAGG_MODE:-jagg}"
 JAGG_GROUPING="${JAGG_GROUPING:-trained}"   # trained (the paper) | window (the authors' code)
 JAGG_ALPHA="${JAGG_ALPHA:-timestep}"        # timestep (the paper) | index (the authors' code)
-JAGG_BACKWARD="${JAGG_BACKWARD:-joint}"     # joint (the paper) | split (the authors' code)
+JAGG_BACKWARD="${JAGG_BACKWARD:-auto}"      # joint (the paper) | split (the authors' code) | auto (joint on >1 rank)
+JAGG_REUSE_ROLLOUT="${JAGG_REUSE_ROLLOUT:-on_policy}"  # off | on_policy (exact) | always (stale after a step)
 # With JAGG=1, the module that takes "TRAINER --jagg_* flags ...": jagg_patch (training), or the
 # benchmarks' jagg_patch.bench_update / jagg_patch.fidelity, which so run with the same recipe.
 JAGG_LAUNCHER="${JAGG_LAUNCHER:-jagg_patch}"
@@ -113,7 +114,8 @@ esac
 
 if [[ "$JAGG" == "1" ]]; then
   LAUNCH=(-m "$JAGG_LAUNCHER" "$MODULE" --jagg_window "$JAGG_WINDOW" --jagg_frac "$JAGG_FRAC" --jagg_mode "$JAGG_MODE"
-          --jagg_grouping "$JAGG_GROUPING" --jagg_alpha "$JAGG_ALPHA" --jagg_backward "$JAGG_BACKWARD")
+          --jagg_grouping "$JAGG_GROUPING" --jagg_alpha "$JAGG_ALPHA" --jagg_backward "$JAGG_BACKWARD"
+          --jagg_reuse_rollout "$JAGG_REUSE_ROLLOUT")
 elif [[ "$JAGG" == "0" ]]; then
   LAUNCH=(-m "$MODULE")
 else

@@ -37,13 +37,15 @@ def test_speed_script(tmp_path, cache_dir):
     for png in ("reward_curves.png", "step_times.png"):
         assert (out / "speed/flux/compare" / png).is_file()
     bench = json.loads((out / "speed/flux/bench_update.json").read_text())
-    assert set(bench["modes"]) == {"vanilla", "jagg", "jagg_split", "exact", "endpoints"}
+    assert set(bench["modes"]) == {"vanilla", "jagg", "jagg_split", "jagg_batched", "jagg_reuse", "jagg_split_reuse",
+                                   "jagg_batched_reuse", "exact", "endpoints"}
+    assert bench["headline"] == "jagg_split_reuse"   # auto on one process, reuse on_policy
     peaks = bench["activation_peak_mb"]
     assert 0 < peaks["jagg_split"] < peaks["jagg"]   # one endpoint graph alive instead of two
     authors = bench["predicted_update_s_authors_schedule"]
     assert authors["jagg"] > bench["modes"]["jagg"]["predicted_update_s"]   # 2 more no-grad forwards per group
     assert bench["train_transitions"] == 4 and bench["plan"] == [dict(size=4, jagg=True)]
-    assert "predicted_update_gain" in bench and "Check 1" in (out / "speed/flux/bench_update.md").read_text()
+    assert "predicted_update_gain" in bench and "Checks on jagg_split_reuse" in (out / "speed/flux/bench_update.md").read_text()
     assert (out / "speed/speed.md").is_file()
 
 

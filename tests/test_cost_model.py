@@ -10,6 +10,8 @@ def test_cost_model_passes_and_implied_ratio():
     # Flux S 16: 9 trained -> [4J, 4J, 1E]: grad forwards 2+2+1, no-grad 2+2, backwards 5
     assert flux["passes"] == (5, 4, 5)
     assert rows[("Flux", "same groups")]["passes"] == (5, 8, 5)
+    assert rows[("Flux", "rollout reuse")]["passes"] == (5, 0, 5)     # the middles' 4 no-grad forwards gone
+    assert rows[("Qwen-Image", "rollout reuse")]["passes"] == (7, 0, 7)
     # Qwen S 20: 11 -> [4J, 4J, 3E]; the authors' run: S 21, 5 windows of 4, 3 trained, each 2 F + 4 F0 + 2 B
     assert qwen["passes"] == (7, 4, 7)
     assert rows[("Qwen-Image", "authors' code")]["passes"] == (6, 12, 6)

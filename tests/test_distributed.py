@@ -78,3 +78,29 @@ def test_deepspeed_two_ranks_step_equals_single_process(cache_dir, tmp_path, sta
     assert result["max_abs_err"] < 1e-5, result
     assert abs(result["grad_norm"] - result["ref_grad_norm"]) < 1e-5 * result["ref_grad_norm"]
     assert result["transformer_backwards"] == (8 if jagg else 16)   # rank 0: 4 samples
+
+
+COMM_SCRIPT = os.path.join(os.path.dirname(__file__), "dist", "fsdp_comm_check.py")
+
+
+def test_fsdp_joint_backward_gathers_each_unit_once_per_group(cache_dir, tmp_path):
+    """The paper's claim, counted: FSDP1 (FULL_SHARD, the trainer's wrapping) all-gathers a unit
+    once per forward and once per backward CALL, so one JAGG group of 4 (one micro-batch of 4
+    samples per rank) costs a block unit 4 forward gathers + 1 (joint) or + 2 (split), 2 + 1 / 2 + 2
+    when the middles come from the rollout; batched forwards both endpoints in one call: 1 + 2 + 1,
+    with reuse 1 + 1; vanilla 4 x (1 + 1). Every form's FSDP gradient equals the single-process one."""
+    result = run_torchrun(COMM_SCRIPT, cache_dir, tmp_path / "comm.json", FAST + ["--jagg_window", "4"])
+    forms = result["forms"]
+    assert result["world_size"] == 2 and result["samples_per_rank"] == 4
+    block_units = ("transformer_blocks.0", "single_transformer_blocks.0")
+    expected = {"vanilla": 8, "joint": 5, "split": 6, "batched": 4, "joint_reuse": 3, "split_reuse": 4,
+                "batched_reuse": 2}
+    for form, gathers in expected.items():
+        assert [forms[form]["all_gathers"][u] for u in block_units] == [gathers, gathers], (form, forms[form])
+    # one gradient reduce-scatter per unit (2 blocks + the root) per backward call
+    calls = {"vanilla": 4, "joint": 1, "split": 2, "batched": 1, "joint_reuse": 1, "split_reuse": 2,
+             "batched_reuse": 1}
+    for form, n in calls.items():
+        assert forms[form]["backward_calls"] == n and forms[form]["reduce_scatters"] == 3 * n, form
+        assert forms[form]["rel_err"] < 1e-5, (form, forms[form]["rel_err"])
+    assert all(forms[f]["forwards_reused"] == 2 * 4 for f in ("joint_reuse", "split_reuse", "batched_reuse"))

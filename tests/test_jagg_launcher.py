@@ -51,9 +51,9 @@ def test_launch_tiny_prints_plan_and_saves_backwards(cache_dir, tmp_path):
                "--cache_dir", cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
                "--jagg_window", "3", "--jagg_frac", "0.6"])
     assert out.returncode == 0, out.stderr[-3000:]
-    assert ("JAGG plan (grouping trained, alpha timestep, backward joint, mode jagg, window 3, jagg_frac 0.6)"
+    assert ("JAGG plan (grouping trained, alpha timestep, backward auto -> split, mode jagg, window 3, jagg_frac 0.6)"
             in out.stdout)
-    assert "group 0: positions [0, 1, 2] (size 3) -> JAGG (jagg, joint backward)" in out.stdout
+    assert "group 0: positions [0, 1, 2] (size 3) -> JAGG (jagg, split backward)" in out.stdout
     assert "per sample: 3 transformer backwards instead of 4" in out.stdout
     assert "group 1: positions [3] (size 1) -> exact" in out.stdout
     (record,) = metrics(tmp_path)

@@ -82,7 +82,7 @@ def test_apply_twice_then_revert_restores_original_objects():
     apply_jagg(window=2, jagg_frac=1.0)
     assert flux.policy_update is not originals["dancegrpo.train_grpo_flux"]
     assert flux.policy_update.jagg_config == dict(window=2, jagg_frac=1.0, mode="jagg", alpha="timestep",
-                                                  backward="joint", grouping="trained")
+                                                  backward="joint", grouping="trained", reuse="on_policy")
     assert flux.select_train_steps is grpo.select_train_steps   # the trained grouping keeps vanilla's choice
     assert grpo.policy_update is originals["dancegrpo.train_grpo_flux"]  # the library function is untouched
     revert_jagg()
@@ -140,7 +140,7 @@ def test_window_two_reproduces_vanilla(make_args):
 ])
 def test_step_counts(make_args, window, frac, backwards_per_sample, jagg, exact):
     vanilla_record, _ = captured_step(make_args)
-    apply_jagg(flux, window=window, jagg_frac=frac)
+    apply_jagg(flux, window=window, jagg_frac=frac, reuse="off")  # every middle member forwarded
     record, _ = captured_step(make_args)
     samples, n = record["samples"], record["train_timesteps"]
     assert vanilla_record["transformer_backwards"] == n * samples

@@ -120,7 +120,8 @@ def test_window_counts_end_to_end(make_args, monkeypatch):
     middles = sum(1 for w in windows if 0 in w)      # window 0's middle member, without grad
     rollout = record["samples"] * 8                   # S forwards per sample, no grad
     assert record["transformer_backwards"] == record["transformer_forwards_grad"] == backwards
-    assert record["transformer_forwards_nograd"] == rollout + middles
+    assert record["transformer_forwards_nograd"] == rollout       # GA covers the rollout: middles reused
+    assert record["transformer_forwards_reused"] == middles
     assert record["jagg_groups"] == middles and record["exact_groups"] == 2 * record["samples"] - middles
     assert record["train_timesteps"] == 2 * W
 

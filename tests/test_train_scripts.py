@@ -136,9 +136,9 @@ def test_jagg_variant_env_vars(tmp_path):
     env, stub = stubbed_run(tmp_path, JAGG="1", JAGG_GROUPING="window", JAGG_ALPHA="index", JAGG_BACKWARD="split")
     assert run_sh(SCRIPTS["flux"], env, stub=stub).returncode == 0
     argv = recorded_argv(env)
-    flags = dict(zip(argv[5:17:2], argv[6:17:2]))
+    flags = dict(zip(argv[5:19:2], argv[6:19:2]))
     assert flags == {"--jagg_window": "4", "--jagg_frac": "0.6", "--jagg_mode": "jagg", "--jagg_grouping": "window",
-                     "--jagg_alpha": "index", "--jagg_backward": "split"}
+                     "--jagg_alpha": "index", "--jagg_backward": "split", "--jagg_reuse_rollout": "on_policy"}
 
 
 # The first JAGG author's Qwen-Image scripts (../shared/JAGG.md; issue 9): run_standard.sh / run_jagg.sh.
@@ -153,7 +153,7 @@ AUTHORS = dict(seed=42, train_batch_size=8, gradient_accumulation_steps=8, max_t
     ("authors_standard", dict(sampling_steps=20, num_generations=8), None),
     ("authors_jagg", dict(sampling_steps=21, num_generations=12),
      dict(jagg_window=4, jagg_frac=1.0, jagg_mode="jagg", jagg_grouping="window", jagg_alpha="index",
-          jagg_backward="split")),
+          jagg_backward="split", jagg_reuse_rollout="off")),
 ])
 def test_authors_recipes(tmp_path, recipe, extra, jagg):
     from jagg_patch.cli import add_jagg_args
@@ -196,7 +196,7 @@ def test_lora_recipes(tmp_path):
     assert run_sh(SCRIPTS["qwenimage"], env, stub=stub).returncode == 0
     argv = recorded_argv(env)
     assert argv[3:5] == ["jagg_patch", "dancegrpo.train_grpo_qwenimage"]
-    args = parse_args(importlib.import_module("dancegrpo.train_grpo_qwenimage").build_parser(), argv[5 + 12:])
+    args = parse_args(importlib.import_module("dancegrpo.train_grpo_qwenimage").build_parser(), argv[5 + 14:])
     assert (args.use_lora, args.lora_rank, args.lora_alpha, args.learning_rate) == (True, 16, 256, 3e-4)
     res = run_sh(SCRIPTS["flux"], {**env, "LORA": "yes"}, stub=stub)
     assert res.returncode == 2 and "LORA must be 0" in res.stderr

@@ -1,0 +1,106 @@
+"""Counting FSDP1's parameter all-gathers per FSDP unit (an analysis tool beside the patch).
+
+The paper says JAGG's joint backward triggers one FSDP all-gather per module per group. FSDP1
+all-gathers a unit's flat parameter in `FlatParamHandle._all_gather_flat_param` (forward:
+pre-forward unshard; backward: pre-backward unshard, after the forward resharded it under
+FULL_SHARD). `count_fsdp_collectives` wraps that method, and the gradient reduce-scatter, for the
+duration of a `with` block and attributes each call to its unit.
+
+Why the joint backward gathers once per unit: FSDP1 unshards a unit in its pre-backward hook at
+most once per backward call (`_ran_pre_backward_hook`), and reshards it in the post-backward hook
+on the flat parameter's AccumulateGrad, which autograd runs once per call, after every graph that
+uses the parameter has delivered its gradient. One call through both endpoint graphs therefore
+gathers each unit once and reduce-scatters its gradient once; the price is that a unit stays
+unsharded from its first graph's backward until the second graph reaches it (the engine runs the
+later endpoint's graph first), i.e. up to every unit at once: the whole unsharded model.
+"""
+import contextlib
+from collections import Counter
+
+
+def fsdp_units(model):
+    """{id(FlatParamHandle): unit name} of every FSDP1 unit in `model` ("" is the root)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    names = {}
+    for name, module in model.named_modules():
+        if isinstance(module, FSDP) and getattr(module, "_handle", None) is not None:
+            names[id(module._handle)] = name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+    return names
+
+
+class CollectiveCounts:
+    """all_gathers[unit] and reduce_scatters[unit] seen inside the `with` block, and the most
+    parameter bytes gathered (unsharded by an all-gather, not yet freed) at any one time."""
+
+    def __init__(self, units):
+        self.units = units
+        self.all_gathers, self.reduce_scatters = Counter(), Counter()
+        self.gathered, self.peak_gathered_bytes, self.peak_gathered_units = {}, 0, 0
+
+    def on_gather(self, handle, tensor):
+        self.all_gathers[id(handle)] += 1
+        self.gathered[id(handle)] = tensor.numel() * tensor.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(self.gathered.values()))
+        self.peak_gathered_units = max(self.peak_gathered_units, len(self.gathered))
+
+    def on_free(self, handle):
+        self.gathered.pop(id(handle), None)
+
+    def per_unit(self):
+        return {self.units.get(h, "?"): n for h, n in self.all_gathers.items()}
+
+    def total_all_gathers(self):
+        return sum(self.all_gathers.values())
+
+    def total_reduce_scatters(self):
+        return sum(self.reduce_scatters.values())
+
+
+@contextlib.contextmanager
+def count_fsdp_collectives(model):
+    """Count FSDP1's parameter all-gathers and gradient reduce-scatters per unit of `model`."""
+    from torch.distributed.fsdp import _runtime_utils
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    counts = CollectiveCounts(fsdp_units(model))
+    all_gather, reduce_grad = FlatParamHandle._all_gather_flat_param, _runtime_utils._reduce_grad
+    free = FlatParamHandle._free_unsharded_flat_param
+
+    def counted_all_gather(handle, *args, **kwargs):
+        out = all_gather(handle, *args, **kwargs)
+        counts.on_gather(handle, out)
+        return out
+
+    def counted_free(handle, *args, **kwargs):
+        counts.on_free(handle)
+        return free(handle, *args, **kwargs)
+
+    def counted_reduce(state, handle):
+        if handle.uses_sharded_strategy:
+            counts.reduce_scatters[id(handle)] += 1
+        return reduce_grad(state, handle)
+
+    FlatParamHandle._all_gather_flat_param = counted_all_gather
+    FlatParamHandle._free_unsharded_flat_param = counted_free
+    _runtime_utils._reduce_grad = counted_reduce
+    try:
+        yield counts
+    finally:
+        FlatParamHandle._all_gather_flat_param = all_gather
+        FlatParamHandle._free_unsharded_flat_param = free
+        _runtime_utils._reduce_grad = reduce_grad
+
+
+def expected_all_gathers(groups, backward, reused=False):
+    """Per unit and sample, under FULL_SHARD (a forward gathers, a backward gathers again): vanilla
+    2 per transition; a JAGG group of w: its forwards (2, plus w-2 middles unless reused) and one
+    gather per backward call (1 joint, 2 split); an exact group 2 w."""
+    total = 0
+    for g in groups:
+        if g.jagg:
+            total += 2 + (0 if reused else g.size - 2) + (1 if backward == "joint" else 2)
+        else:
+            total += 2 * g.size
+    return total
+
+
+__all__ = ["count_fsdp_collectives", "fsdp_units", "expected_all_gathers", "CollectiveCounts"]
