@@ -6,6 +6,7 @@
 #   RECIPE=16gpu NODE_RANK=0 MASTER_ADDR=node0 bash train_flux.sh   # upstream's 2x8-GPU recipe, on each node
 #   JAGG=1 bash train_flux.sh                    # same flags, policy update through the JAGG patch
 #   JAGG=1 JAGG_MODE=endpoints bash train_flux.sh   # the paper's ablation
+#   ALGO=flow_grpo_fast bash train_flux.sh       # Flow-GRPO-Fast's recipe (window 3 of 6 steps, cps 0.8)
 #   LORA=1 bash train_flux.sh                    # upstream's LoRA recipe (train_grpo_flux_lora.py): r 128,
 #                                                # alpha 256, lr 3e-4, S 12, batch 2, GA 12, no EMA
 #   PRESET=tiny bash train_flux.sh               # embedded tiny models on CPU, 1 process, no weights needed
@@ -17,6 +18,12 @@
 # NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 MODULE="dancegrpo.train_grpo_flux"
+# ALGO=flow_grpo_fast: Flow-GRPO-Fast's FLUX config (../shared/FLOWGRPO.md): 6 steps, a window of
+# 3 drawn in (0, 3), the cps kernel at 0.8, clip 1e-5, Flow-GRPO's advantage; LoRA r 64 / alpha 128.
+FAST_RECIPE=(--sampling_steps "${SAMPLING_STEPS:-6}" --sde_window_size "${SDE_WINDOW_SIZE:-3}"
+             --sde_window_range 0 3 --sde_type cps --eta "${ETA:-0.8}" --clip_range "${CLIP_RANGE:-1e-5}"
+             --advantage flow_grpo)
+[[ "${ALGO:-}" != flow_grpo_fast ]] || : "${LORA_RANK:=64}" "${LORA_ALPHA:=128}"
 if [[ "${LORA:-0}" == 1 ]]; then   # upstream's scripts/finetune LoRA recipe (../shared/DANCEGRPO.md)
   MODULE="dancegrpo.train_grpo_flux_lora"
   : "${LEARNING_RATE:=3e-4}" "${SAMPLING_STEPS:=12}" "${TRAIN_BATCH_SIZE:=2}" "${GRADIENT_ACCUMULATION_STEPS:=12}"

@@ -38,6 +38,13 @@ case "${RECIPE:-upstream}" in
   *) echo "error: RECIPE must be upstream, authors_standard or authors_jagg, got '${RECIPE}'" >&2; exit 2 ;;
 esac
 MODULE="dancegrpo.train_grpo_qwenimage"
+# ALGO=flow_grpo_fast: Flow-GRPO-Fast's Qwen-Image config (../shared/FLOWGRPO.md): 10 steps, a
+# window of 2 drawn in (0, 5), Flow-GRPO's sde kernel at 1.2, clip 1e-4, Flow-GRPO's advantage;
+# LoRA r 64 / alpha 128. Upstream's fixed (3, 5) window (a reseeding bug) is not reproduced.
+FAST_RECIPE=(--sampling_steps "${SAMPLING_STEPS:-10}" --sde_window_size "${SDE_WINDOW_SIZE:-2}"
+             --sde_window_range 0 5 --sde_type flow_grpo --eta "${ETA:-1.2}" --clip_range "${CLIP_RANGE:-1e-4}"
+             --advantage flow_grpo)
+[[ "${ALGO:-}" != flow_grpo_fast ]] || : "${LORA_RANK:=64}" "${LORA_ALPHA:=128}"
 [[ "${LORA:-0}" != 1 ]] || : "${LEARNING_RATE:=3e-4}"
 MODEL_NAME="Qwen-Image"; HF_REPO="Qwen/Qwen-Image"; PREPROCESS="dancegrpo.preprocess.qwenimage"
 OUTPUT_DIR_PRESET="${OUTPUT_DIR:-outputs/qwenimage_${PRESET:-}${RUN_SUFFIX}}"   # defaults for PRESET runs

@@ -131,6 +131,7 @@ def build_parser(family, description=None):
                         "is the same, only the batching changes.")
     g.add_argument("--shuffle_advantages", **bool_flag,
                    help="Control run: randomly permute the advantages over the step's samples.")
+    add_flow_grpo_args(p)
     add_lora_args(p)
     add_engine_args(p)
     add_reward_args(p)
@@ -183,6 +184,44 @@ def parse_args(parser, argv=None):
     return args
 
 
+def add_flow_grpo_args(p):
+    from .sde_kernels import SDE_TYPES
+    g = p.add_argument_group("Flow-GRPO / Flow-GRPO-Fast (this project; ../shared/FLOWGRPO.md)")
+    g.add_argument("--sde_type", choices=SDE_TYPES, default="dance",
+                   help="Transition kernel; --eta is its noise level a. dance: DanceGRPO's flux_step; flow_grpo: "
+                        "Flow-GRPO's sde (g = a sqrt(sigma / (1 - sigma))); cps: the coefficient-preserving kernel "
+                        "(unscaled log-prob).")
+    g.add_argument("--sde_window_size", type=int, default=0,
+                   help="K > 0: Flow-GRPO-Fast. Per sampling batch, K consecutive transitions (the window) use "
+                        "the SDE and the rest deterministic Euler; exactly the window is trained "
+                        "(--timestep_fraction is ignored). 0: the SDE everywhere.")
+    g.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("A", "B"),
+                   help="The window's first transition is drawn uniformly in [A, B-K] (default 0 S-1).")
+    g.add_argument("--kl_beta", type=float, default=0.0,
+                   help="Weight of Flow-GRPO's KL term to the reference policy (the base weights: LoRA's disabled "
+                        "adapter, else a frozen copy); 0: none.")
+    g.add_argument("--advantage", choices=("dance", "flow_grpo"), default="dance",
+                   help="dance: --use_group's (r - mean) / (std + 1e-8), unbiased std; flow_grpo: per-prompt mean, "
+                        "population std (+1e-4), per prompt or with --global_std over every rank's rewards.")
+    g.add_argument("--global_std", action=argparse.BooleanOptionalAction, default=False, help="With --advantage flow_grpo: one std over all rewards.")
+
+
+def validate_flow_grpo_args(args):
+    size = args.sde_window_size
+    if size < 0:
+        raise ValueError(f"--sde_window_size must be >= 0 (0: no window), got {size}")
+    if args.sde_window_range is None:
+        args.sde_window_range = [0, args.sampling_steps - 1]
+    low, high = args.sde_window_range
+    if size and not (0 <= low and high <= args.sampling_steps - 1 and high - low >= size):
+        raise ValueError(f"--sde_window_range {low} {high} must hold a window of {size} inside the "
+                         f"{args.sampling_steps - 1} trainable transitions: 0 <= A, B <= S-1, B - A >= K")
+    if args.kl_beta < 0:
+        raise ValueError(f"--kl_beta must be >= 0, got {args.kl_beta}")
+    if args.advantage == "flow_grpo" and not args.use_group:
+        raise ValueError("--advantage flow_grpo normalises per prompt: add --use_group (prompts x --num_generations)")
+
+
 def validate_args(args):
     """Reject bad flags with a message that names the fix."""
     if args.sampling_steps is None or args.sampling_steps < 2:
@@ -224,6 +263,7 @@ def validate_args(args):
         raise ValueError("--output_dir is required (metrics, reward.txt and checkpoints go there)")
     if args.use_group and args.num_generations < 2:
         raise ValueError("--use_group needs --num_generations >= 2")
+    validate_flow_grpo_args(args)
     validate_lora_args(args)
     validate_engine_args(args)
     args.reward_terms = resolve_reward_spec(args)

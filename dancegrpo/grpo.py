@@ -28,6 +28,17 @@ def group_advantages(rewards, num_generations, eps=1e-8):
     return adv.reshape(-1)
 
 
+def flow_grpo_advantages(rewards, num_generations, all_rewards=None, eps=1e-4):
+    """Flow-GRPO's advantage: (r - prompt mean) / (std + 1e-4), std the population std of the
+    prompt's rewards, or of `all_rewards` (every rank's) with --global_std. A prompt's
+    generations are a contiguous block of `num_generations`."""
+    if rewards.numel() % num_generations:
+        raise ConfigError(f"{rewards.numel()} rewards do not split into groups of {num_generations}")
+    groups = rewards.reshape(-1, num_generations)
+    std = groups.std(dim=1, unbiased=False, keepdim=True) if all_rewards is None else all_rewards.std(unbiased=False)
+    return ((groups - groups.mean(dim=1, keepdim=True)) / (std + eps)).reshape(-1)
+
+
 def global_advantages(rewards, all_rewards, eps=1e-8):
     """Normalise this rank's rewards by the statistics of every rank's rewards."""
     return (rewards - all_rewards.mean()) / (all_rewards.std() + eps)
@@ -74,6 +85,12 @@ class TrainSelection:
     """
     steps: torch.Tensor
     num_train: int
+
+
+def window_train_steps(window_start, window_size):
+    """Flow-GRPO-Fast: each sample trains exactly its SDE window's transitions, in order."""
+    steps = window_start.reshape(-1, 1) + torch.arange(window_size).reshape(1, -1)
+    return TrainSelection(steps, window_size)
 
 
 def select_train_steps(num_samples, num_transitions, timestep_fraction, generator=None):

@@ -24,15 +24,18 @@ from .engine_deepspeed import DeepSpeedRun
 from .lora import LoraWeights, add_lora
 from .errors import Interrupted
 from .finite import require_finite
-from .grpo import (UpdateBatch, UpdateStats, global_advantages, group_advantages, num_train_timesteps,
-                   ppo_clip_loss, select_train_steps as vanilla_selection, wants_rollout_outputs)
+from .grpo import (UpdateBatch, UpdateStats, flow_grpo_advantages, global_advantages, group_advantages,
+                   num_train_timesteps, ppo_clip_loss, select_train_steps as vanilla_selection,
+                   wants_rollout_outputs, window_train_steps)
 from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
 from .plots import moving_average, plot_reward_curves
+from .reference import Reference, frozen_copy
 from .rewards import WeightedReward
 from .resume import plan_run, tool_plan
 from .run_config import snapshot
-from .sde import at_least_fp32, flux_step, model_timesteps, sigma_schedule
+from .sde import at_least_fp32, model_timesteps, sigma_schedule
+from .sde_kernels import kernel, ode_transition, sde_transition
 from .signals import StopRequest, signal_name
 from .state_memory import describe_bytes, per_rank_bytes
 
@@ -47,6 +50,9 @@ class Rollout:
     # [B, S, L, C] the model output at each transition, kept only for a policy update that reuses
     # it (grpo.wants_rollout_outputs); None otherwise.
     outputs: torch.Tensor = None
+    # [B] first transition of each sample's SDE window (--sde_window_size > 0; ODE elsewhere, and
+    # log_probs 0 there); None: the SDE at every transition.
+    window_start: torch.Tensor = None
 
 
 @dataclass
@@ -97,23 +103,47 @@ def predict_velocity(ctx, latents, timesteps, cond):
         return ctx.family.predict(ctx.transformer, latents, timesteps, cond)
 
 
-def run_sample_step(ctx, z, cond, generator):
-    """Roll one chunk of samples through all S transitions with the SDE (no grad).
+def run_sample_step(ctx, z, cond, generator, window=None):
+    """Roll one chunk of samples through all S transitions (no grad): the --sde_type kernel at
+    every transition, or only inside `window` = (first, end) with deterministic Euler outside
+    (Flow-GRPO-Fast; the log-prob of an ODE transition is stored as 0 and never trained).
 
     Returns (x0_hat of the last step, all latents [B, S+1, L, C], log-probs [B, S], model
     outputs [B, S, L, C]).
     """
+    args = ctx.args
     all_latents, all_log_probs, all_outputs = [z], [], []
-    x0 = None
     for i in range(ctx.sigmas.numel() - 1):
         t = ctx.timesteps[i].expand(z.shape[0]).to(z.device)
         v = predict_velocity(ctx, z, t, cond)
-        z, x0, log_prob = flux_step(v, at_least_fp32(z), ctx.args.eta, ctx.sigmas, i, prev_sample=None, grpo=True,
-                                    sde_solver=True, generator=generator)
+        x0 = at_least_fp32(z) - float(ctx.sigmas[i]) * v   # flux_step's pred_original_sample
+        if window is None or window[0] <= i < window[1]:
+            z, log_prob = sde_transition(args.sde_type, v, z, args.eta, ctx.sigmas, i, generator=generator)
+        else:
+            z, log_prob = ode_transition(v, z, ctx.sigmas, i), torch.zeros(z.shape[0], device=z.device)
         all_latents.append(z)
         all_log_probs.append(log_prob)
         all_outputs.append(v)
     return x0, torch.stack(all_latents, dim=1), torch.stack(all_log_probs, dim=1), torch.stack(all_outputs, dim=1)
+
+
+def window_generator(ctx):
+    """Per (seed, step, rank) generator of the SDE window starts: every rank and step draws its
+    own, and a resumed run draws what the original drew (upstream's Qwen trainer reseeded with
+    the rank on every call, so its window never moved: not reproduced)."""
+    base = ((ctx.seed * 1_000_003 + ctx.step) * 1009 + ctx.rank) * 31 + 17
+    return torch.Generator().manual_seed(base % 2 ** 63)
+
+
+def draw_window(args, generator):
+    """(first, end) of one sampling batch's SDE window: first uniform in [a, b - K], as
+    Flow-GRPO's random.randint(a, b - K); None without --sde_window_size."""
+    size = args.sde_window_size
+    if not size:
+        return None
+    low, high = args.sde_window_range
+    first = int(torch.randint(low, high - size + 1, (1,), generator=generator))
+    return first, first + size
 
 
 def initial_latents(ctx, num_samples, generator):
@@ -132,11 +162,15 @@ def sample_reference_model(ctx, cond, captions, generator, keep_outputs=False):
     chunk of --sample_batch_size samples and step. keep_outputs: also keep the model outputs."""
     ctx.transformer.eval()
     z0 = initial_latents(ctx, len(captions), generator)
-    latents, log_probs, outputs, images = [], [], [], []
+    latents, log_probs, outputs, images, starts = [], [], [], [], []
+    windows = window_generator(ctx)
     for start in range(0, len(captions), ctx.args.sample_batch_size):
         sl = slice(start, start + ctx.args.sample_batch_size)
+        window = draw_window(ctx.args, windows)   # one per sampling batch, as Flow-GRPO-Fast
         x0, chunk_latents, chunk_log_probs, chunk_outputs = run_sample_step(
-            ctx, z0[sl], {k: v[sl] for k, v in cond.items()}, generator)
+            ctx, z0[sl], {k: v[sl] for k, v in cond.items()}, generator, window)
+        if window is not None:
+            starts.append(torch.full((chunk_latents.shape[0],), window[0], dtype=torch.long, device=ctx.device))
         latents.append(chunk_latents)
         log_probs.append(chunk_log_probs)
         if keep_outputs:
@@ -145,13 +179,25 @@ def sample_reference_model(ctx, cond, captions, generator, keep_outputs=False):
         images.extend(ctx.family.decode(ctx.vae, x0))
     rewards = ctx.reward_fn(images, captions).to(ctx.device)
     return Rollout(torch.cat(latents), torch.cat(log_probs), images, rewards,
-                   torch.cat(outputs) if keep_outputs else None)
+                   torch.cat(outputs) if keep_outputs else None, torch.cat(starts) if starts else None)
 
 
 def transition_log_prob(ctx, v, latents, next_latents, index):
-    """log p(next_latents | latents) under the policy whose output is v (upstream's flux_step, grpo=True)."""
-    return flux_step(v, at_least_fp32(latents), ctx.args.eta, ctx.sigmas, index,
-                     prev_sample=at_least_fp32(next_latents), grpo=True, sde_solver=True)[2]
+    """log p(next_latents | latents) under the policy whose output is v (the --sde_type kernel;
+    dance: upstream's flux_step, grpo=True)."""
+    return sde_transition(ctx.args.sde_type, v, latents, ctx.args.eta, ctx.sigmas, index,
+                          prev_sample=at_least_fp32(next_latents))[1]
+
+
+def kl_to_reference(ctx, v, latents, index, cond):
+    """Flow-GRPO's KL term per sample: mean((mu_theta - mu_ref)^2) / (2 kl_scale^2), mu the
+    kernel's mean under the policy (v, with grad) and under the reference (base weights, no grad)."""
+    with torch.no_grad():
+        v_ref = ctx.extra["reference"](latents, ctx.timesteps[index].to(latents.device), cond)
+    mean, _, scale = kernel(ctx.args.sde_type, v, latents, ctx.args.eta, ctx.sigmas, index)
+    mean_ref = kernel(ctx.args.sde_type, v_ref, latents, ctx.args.eta, ctx.sigmas, index)[0]
+    per_element = (mean - mean_ref) ** 2 / (2 * scale ** 2)
+    return per_element.mean(dim=tuple(range(1, per_element.ndim)))
 
 
 def grpo_one_step(ctx, rollout, cond, sample_idx, index):
@@ -180,6 +226,8 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
         log_prob = transition_log_prob(ctx, v, rollout.latents[sample_idx, k], rollout.latents[sample_idx, k + 1], k)
         per_sample = ppo_clip_loss(log_prob, rollout.log_probs[sample_idx, k], advantages[sample_idx],
                                    args.clip_range, args.adv_clip_max)
+        if args.kl_beta > 0:
+            per_sample = per_sample + args.kl_beta * kl_to_reference(ctx, v, rollout.latents[sample_idx, k], k, cond_m)
         # Upstream averages over a batch of one and divides by GA * train_timesteps;
         # summing over the micro-batch keeps that gradient for any batching.
         return per_sample.sum() / normaliser
@@ -199,7 +247,9 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
 
 def compute_advantages(ctx, rewards, all_rewards, host_gen):
     args = ctx.args
-    if args.use_group:
+    if args.advantage == "flow_grpo":
+        adv = flow_grpo_advantages(rewards, args.num_generations, all_rewards if args.global_std else None)
+    elif args.use_group:
         adv = group_advantages(rewards, args.num_generations)
     else:
         adv = global_advantages(rewards, all_rewards)
@@ -226,7 +276,10 @@ def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update, selec
     partial block). The update's saved activations are metered (ctx.activation_meter)."""
     args = ctx.args
     num_samples, num_transitions = rollout.log_probs.shape[0], rollout.log_probs.shape[1] - 1  # last dropped
-    selection = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
+    if rollout.window_start is not None:   # Flow-GRPO-Fast trains its window, whatever the fraction
+        selection = window_train_steps(rollout.window_start.cpu(), args.sde_window_size)
+    else:
+        selection = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
     steps = selection.steps.to(ctx.device)
     normaliser = args.gradient_accumulation_steps * selection.num_train
     ctx.transformer.train()
@@ -376,6 +429,7 @@ def setup(args, family, plan=None):
     dataset = PromptEmbeddingDataset(args.data_json_path, family.embedding_fields)
     reward_fn = WeightedReward(args.reward_terms, device, args)
     raw, vae = family.load(args, device)
+    frozen = frozen_copy(raw) if args.kl_beta > 0 and not args.use_lora else None   # before any wrapping
     weights_format = ckpt.FullWeights()
     if args.use_lora:
         add_lora(raw, args, seed)
@@ -419,6 +473,12 @@ def setup(args, family, plan=None):
     ctx.extra["num_params"] = num_params
     ctx.extra["num_trainable"] = num_trainable
     ctx.extra["weights_format"] = weights_format
+    if args.kl_beta > 0:
+        def run(module, latents, timesteps, cond):
+            with autocast(args, device):
+                return family.predict(module, latents, timesteps, cond)
+        ctx.extra["reference"] = (Reference(run, model, lora_raw=raw) if args.use_lora
+                                  else Reference(run, frozen.to(device)))
     return ctx
 
 

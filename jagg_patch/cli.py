@@ -99,6 +99,9 @@ def jagg_kwargs(args):
 
 def check_trajectory(args):
     """The checks that need the trainer's geometry, before any model is loaded."""
+    if getattr(args, "sde_window_size", 0) and args.jagg_grouping == "window":
+        fail("--sde_window_size trains one SDE window per sample, which is already the group: use the default "
+             "--jagg_grouping trained (the window's K transitions form one group when --jagg_window >= K)")
     if args.jagg_grouping == "window" and args.jagg_window > args.sampling_steps - 1:
         fail(f"--jagg_grouping window needs --jagg_window <= S-1 = {args.sampling_steps - 1} trainable "
              f"transitions (--sampling_steps {args.sampling_steps}), got {args.jagg_window}; lower --jagg_window "
@@ -109,7 +112,8 @@ def jagg_plan_text(args):
     """The plan for the configured S, timestep_fraction, grouping, window and jagg_frac."""
     from dancegrpo.grpo import num_train_timesteps
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
-    n_vanilla = num_train_timesteps(num_transitions, args.timestep_fraction)
+    window = getattr(args, "sde_window_size", 0)
+    n_vanilla = window or num_train_timesteps(num_transitions, args.timestep_fraction)
     backward = resolve_backward(args.jagg_backward)
     shown = backward if args.jagg_backward != "auto" else f"auto -> {backward}"
     head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {shown}, "
@@ -119,9 +123,10 @@ def jagg_plan_text(args):
         groups = plan_groups(range(n_vanilla), args.jagg_window, args.jagg_frac)
         backwards = sum(group_cost(g, args.jagg_mode)[2] for g in groups)
         middles = sum(group_cost(g, args.jagg_mode)[1] for g in groups)
-        return "\n".join([head + f"{n_vanilla} trained per sample (timestep_fraction {args.timestep_fraction}), "
-                          f"a random subset per sample sorted into denoising order; positions 0..{n_vanilla - 1} "
-                          "of that order:",
+        trained = (f"the {window} transitions of each sample's SDE window (Flow-GRPO-Fast)" if window else
+                   f"{n_vanilla} trained per sample (timestep_fraction {args.timestep_fraction}), a random subset "
+                   "per sample sorted into denoising order")
+        return "\n".join([head + f"{trained}; positions 0..{n_vanilla - 1} of that order:",
                           *describe_plan(groups, args.jagg_mode, backward),
                           f"  per sample: {backwards} transformer backwards instead of {n_vanilla}",
                           reuse_plan_text(args, middles)])

@@ -104,6 +104,14 @@ case "${ENGINE:-fsdp}" in
   *) echo "error: ENGINE must be fsdp or deepspeed, got '${ENGINE}'" >&2; exit 2 ;;
 esac
 
+# ALGO=flow_grpo_fast: Flow-GRPO-Fast's recipe (FAST_RECIPE, set by the calling train script: the
+# SDE window, kernel, noise level, clip range and Flow-GRPO's advantage) on top of the model's.
+case "${ALGO:-dancegrpo}" in
+  dancegrpo) ;;
+  flow_grpo_fast) ARGS+=("${FAST_RECIPE[@]}") ;;
+  *) echo "error: ALGO must be dancegrpo or flow_grpo_fast, got '${ALGO}'" >&2; exit 2 ;;
+esac
+
 # LORA=1: train a LoRA adapter (dancegrpo.lora); the LoRA entry module and recipe are the caller's.
 case "${LORA:-0}" in
   1) ARGS+=(--use_lora --lora_rank "${LORA_RANK:-128}" --lora_alpha "${LORA_ALPHA:-256}"

@@ -106,3 +106,15 @@ def test_gpu_check_refuses_at_once_without_cuda(tmp_path):
                           env=dict(os.environ, OUT=str(tmp_path / "out")), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and "no CUDA device" in proc.stderr and "nothing was run" in proc.stderr
     assert not (tmp_path / "out").exists() and time.time() - start < 60
+
+
+def test_flow_grpo_fast_script(tmp_path, cache_dir):
+    """benchmarks/flow_grpo_fast.sh: the Flux Flow-GRPO-Fast recipe (6 steps, window 3 in (0, 3), cps)
+    through the train script into the micro-benchmark; the window's 3 transitions are one JAGG group."""
+    text, out = run_script("flow_grpo_fast.sh", tmp_path, cache_dir, BENCH_REPS="1",
+                           BENCH_MODES="vanilla,jagg_split,jagg_split_reuse")
+    assert "# Flow-GRPO-Fast + JAGG (window K=3)" in text and "the paper's Flow-GRPO-Fast figure" in text
+    bench = json.loads((out / "flow_grpo_fast/flux/bench_update.json").read_text())
+    assert bench["sampling_steps"] == 6 and bench["sde_window_size"] == 3 and bench["train_transitions"] == 3
+    assert bench["plan"] == [dict(size=3, jagg=True)] and bench["headline"] == "jagg_split_reuse"
+    assert set(bench["modes"]) == {"vanilla", "jagg_split", "jagg_split_reuse"}

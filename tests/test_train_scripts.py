@@ -214,3 +214,33 @@ def test_engine_env_var(tmp_path):
     assert recorded_argv(env)[recorded_argv(env).index("--deepspeed_config") + 1].endswith("zero3.json")
     res = run_sh(SCRIPTS["flux"], {**env, "ENGINE": "ddp"}, stub=stub)
     assert res.returncode == 2 and "ENGINE must be fsdp or deepspeed" in res.stderr
+
+
+@pytest.mark.parametrize("model, expected", [
+    ("flux", dict(sampling_steps=6, sde_window_size=3, sde_window_range=[0, 3], sde_type="cps", eta=0.8,
+                  clip_range=1e-5, advantage="flow_grpo")),
+    ("qwenimage", dict(sampling_steps=10, sde_window_size=2, sde_window_range=[0, 5], sde_type="flow_grpo", eta=1.2,
+                       clip_range=1e-4, advantage="flow_grpo")),
+])
+def test_flow_grpo_fast_recipes(tmp_path, model, expected):
+    """ALGO=flow_grpo_fast: Flow-GRPO-Fast's config per model (../shared/FLOWGRPO.md) on top of the
+    model's recipe; with LORA=1 its LoRA rank 64 / alpha 128; a flag on the command line still wins."""
+    module = "dancegrpo.train_grpo_" + model
+    env, stub = stubbed_run(tmp_path, ALGO="flow_grpo_fast")
+    assert run_sh(SCRIPTS[model], env, stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    args = parse_args(importlib.import_module(module).build_parser(), argv[4:])
+    assert {k: getattr(args, k) for k in expected} == expected
+    env.update(LORA="1")
+    assert run_sh(SCRIPTS[model], env, "--eta", "0.5", stub=stub).returncode == 0
+    argv = recorded_argv(env)
+    entry = module + ("_lora" if model == "flux" else "")
+    args = parse_args(importlib.import_module(entry).build_parser(), argv[4:])
+    assert (args.lora_rank, args.lora_alpha, args.eta, args.sde_window_size) == (64, 128, 0.5,
+                                                                                   expected["sde_window_size"])
+
+
+def test_unknown_algo_is_refused(tmp_path):
+    env, stub = stubbed_run(tmp_path, ALGO="ppo")
+    res = run_sh(SCRIPTS["flux"], env, stub=stub)
+    assert res.returncode == 2 and "ALGO must be dancegrpo or flow_grpo_fast" in res.stderr

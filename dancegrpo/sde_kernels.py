@@ -1,0 +1,81 @@
+"""The rollout's transition kernels, chosen by --sde_type (../shared/FLOWGRPO.md section 1).
+
+Every kernel maps (model output v, state x, transition k, noise level a) to a Gaussian
+N(mean, std^2) over the next state; the rollout draws from it and training re-scores the stored
+next state under it, so a kernel's log-prob of its own samples gives ratio exactly 1.
+
+  dance      DanceGRPO's flux_step: std = a sqrt(sigma - sigma') (a is --eta).
+  flow_grpo  Flow-GRPO's "sde": g = a sqrt(sigma / (1 - sigma~)), sigma~ = sigma except at
+             sigma == 1, where Flow-GRPO takes sigmas[1]; std = g sqrt(|dt|).
+  cps        Flow-GRPO's coefficient-preserving kernel: s = sigma' sin(a pi / 2), mean =
+             (1 - sigma') x0_hat + sqrt(sigma'^2 - s^2) x1_hat, std = s; its log-prob is the
+             UNSCALED -mean((x' - mean)^2), as Flow-GRPO (no 1/(2 s^2), no constants).
+
+`kl_scale` is Flow-GRPO's std_dev_t, the divisor of its KL term: g (flow_grpo, without |dt|),
+s (cps), the step std (dance).
+"""
+import math
+
+import torch
+
+from .sde import _per_sample, at_least_fp32, flux_step, gaussian_log_prob
+
+SDE_TYPES = ("dance", "flow_grpo", "cps")
+
+
+def _sigmas_at(sigmas, index, like):
+    sigma, sigma_next = sigmas[index], sigmas[index + 1]
+    if torch.is_tensor(index) and index.ndim > 0:
+        return _per_sample(sigma, like), _per_sample(sigma_next, like)
+    return sigma.to(like.dtype), sigma_next.to(like.dtype)
+
+
+def kernel(sde_type, v, x, a, sigmas, index):
+    """(mean, std, kl_scale) of the transition from x at transition `index` (int or [B])."""
+    v, x = at_least_fp32(v), at_least_fp32(x)
+    if sde_type == "dance":
+        mean, _ = flux_step(v, x, a, sigmas, index, grpo=False, sde_solver=True)
+        sigma, sigma_next = _sigmas_at(sigmas, index, x)
+        std = a * torch.sqrt(sigma - sigma_next)
+        return mean, std, std
+    sigma, sigma_next = _sigmas_at(sigmas, index, x)
+    if sde_type == "flow_grpo":
+        dt = sigma_next - sigma
+        sigma_tilde = torch.where(sigma == 1, sigmas[1].to(x.dtype), sigma)
+        g = a * torch.sqrt(sigma / (1 - sigma_tilde))
+        mean = x * (1 + g ** 2 * dt / (2 * sigma)) + v * (1 + g ** 2 * (1 - sigma) / (2 * sigma)) * dt
+        return mean, g * torch.sqrt(-dt), g
+    if sde_type == "cps":
+        s = sigma_next * math.sin(a * math.pi / 2)
+        x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
+        mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next ** 2 - s ** 2) * x1_hat
+        return mean, s, s
+    raise ValueError(f"--sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
+
+
+def log_prob(sde_type, sample, mean, std):
+    """Per-sample log-prob of `sample` under the kernel (mean over the non-batch elements)."""
+    if sde_type == "cps":
+        diff = at_least_fp32(sample.detach()) - mean
+        return -(diff ** 2).mean(dim=tuple(range(1, diff.ndim)))
+    return gaussian_log_prob(sample, mean, std)
+
+
+def sde_transition(sde_type, v, x, a, sigmas, index, prev_sample=None, generator=None):
+    """(next state, log-prob): a draw when prev_sample is None, else a re-score of prev_sample.
+    dance is flux_step itself, bit for bit."""
+    if sde_type == "dance":
+        next_x, _, logp = flux_step(v, at_least_fp32(x), a, sigmas, index, prev_sample=prev_sample, grpo=True,
+                                    sde_solver=True, generator=generator)
+        return next_x, logp
+    mean, std, _ = kernel(sde_type, v, x, a, sigmas, index)
+    if prev_sample is None:
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+        prev_sample = mean + noise * std
+    return prev_sample, log_prob(sde_type, prev_sample, mean, std)
+
+
+def ode_transition(v, x, sigmas, index):
+    """Deterministic Euler, x' = x + v (sigma' - sigma): the steps outside a Flow-GRPO-Fast window."""
+    sigma, sigma_next = _sigmas_at(sigmas, index, at_least_fp32(x))
+    return at_least_fp32(x) + at_least_fp32(v) * (sigma_next - sigma)
