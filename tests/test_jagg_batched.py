@@ -8,6 +8,7 @@ from jagg_patch import jagg_group_backward, make_policy_update
 from jagg_patch.core import resolve_backward
 from jagg_toy import NonlinearVelocity, Problem, endpoints_reference, flat_grad, jagg_reference, rel_err
 
+from test_jagg_reuse import keep_rollout_outputs
 from test_update_loop import float64_setup
 
 T_PER_SAMPLE = [[0.95, 0.9, 0.97], [0.9, 0.8, 0.93], [0.8, 0.75, 0.85], [0.7, 0.6, 0.72]]
@@ -53,10 +54,7 @@ def test_trainer_batched_equals_joint_float64(make_args, reuse):
     predict_batched gives the joint backward's gradient."""
     args, ctx, cond, rollout, adv = float64_setup(make_args, 3)
     n, S = adv.numel(), args.sampling_steps
-    with torch.no_grad():
-        rollout.outputs = torch.stack([trainer.predict_velocity(ctx, rollout.latents[:, k],
-                                                                ctx.timesteps[k].expand(n).double(), cond)
-                                       for k in range(S)], dim=1)
+    keep_rollout_outputs(ctx, rollout, cond)
     steps = grpo.choose_train_steps(n, S - 1, 4, torch.Generator().manual_seed(1))
 
     def update(backward):

@@ -69,15 +69,22 @@ def grads_of(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
+def keep_rollout_outputs(ctx, rollout, cond):
+    """What a rollout that keeps its outputs stores: one forward over ALL samples per transition
+    (the update then runs in other micro-batches)."""
+    n = rollout.latents.shape[0]
+    with torch.no_grad():
+        rollout.outputs = torch.stack([trainer.predict_velocity(ctx, rollout.latents[:, k],
+                                                                ctx.timesteps[k].expand(n).double(), cond)
+                                       for k in range(rollout.latents.shape[1] - 1)], dim=1)
+
+
 @pytest.mark.parametrize("backward", ["joint", "split"])
 def test_trainer_on_policy_reuse_equals_recomputation_float64(make_args, backward):
     """Rollout outputs from one forward over all samples; the update in micro-batches of 3."""
     args, ctx, cond, rollout, adv = float64_setup(make_args, 3)
     n, S = adv.numel(), args.sampling_steps
-    with torch.no_grad():
-        rollout.outputs = torch.stack([trainer.predict_velocity(ctx, rollout.latents[:, k],
-                                                                ctx.timesteps[k].expand(n).double(), cond)
-                                       for k in range(S)], dim=1)
+    keep_rollout_outputs(ctx, rollout, cond)
     steps = grpo.choose_train_steps(n, S - 1, 4, torch.Generator().manual_seed(1))
     normaliser = args.gradient_accumulation_steps * 4
 
