@@ -15,6 +15,7 @@ most. bench_update's unit cost B is measured like B here and B2 like joint.
 """
 import statistics
 import sys
+import time
 
 import torch
 
@@ -22,7 +23,6 @@ from .cli import check_trajectory, trainer_cli
 
 
 def _timed(fn):
-    import time
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

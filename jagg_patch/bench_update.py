@@ -274,6 +274,7 @@ def run_benchmark(module, args):
     family = ctx.family.name
     jagg_sel = selections["jagg"]
     headline = headline_mode(args, modes, ctx.world_size)
+    targets, paper_step_gain = _targets(args, family)
     result = dict(
         family=family, num_params=ctx.extra["num_params"], device=str(ctx.device), torch=torch.__version__,
         threads=torch.get_num_threads(), world_size=ctx.world_size, sampling_steps=args.sampling_steps,
@@ -287,7 +288,7 @@ def run_benchmark(module, args):
         reps=args.bench_reps, unit_costs_s=units, rollout_s=rollout_s, rollout_times_s=rollout_times,
         update_median_s=med, update_times_s=times, predicted_update_s=predicted,
         predicted_update_s_authors_schedule=authors, activation_peak_mb=peaks, fsdp_collectives=collectives,
-        headline=headline, paper_step_gain=_targets(args, family)[1], targets=_targets(args, family)[0],
+        headline=headline, paper_step_gain=paper_step_gain, targets=targets,
         sde_window_size=getattr(args, "sde_window_size", 0), modes={})
     for mode in modes:
         result["modes"][mode] = dict(update_s=med[mode], update_gain=gain(med[mode], med["vanilla"]),

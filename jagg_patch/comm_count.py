@@ -90,17 +90,4 @@ def count_fsdp_collectives(model):
         _runtime_utils._reduce_grad = reduce_grad
 
 
-def expected_all_gathers(groups, backward, reused=False):
-    """Per unit and sample, under FULL_SHARD (a forward gathers, a backward gathers again): vanilla
-    2 per transition; a JAGG group of w: its forwards (2, plus w-2 middles unless reused) and one
-    gather per backward call (1 joint, 2 split); an exact group 2 w."""
-    total = 0
-    for g in groups:
-        if g.jagg:
-            total += 2 + (0 if reused else g.size - 2) + (1 if backward == "joint" else 2)
-        else:
-            total += 2 * g.size
-    return total
-
-
-__all__ = ["count_fsdp_collectives", "fsdp_units", "expected_all_gathers", "CollectiveCounts"]
+__all__ = ["count_fsdp_collectives", "fsdp_units", "CollectiveCounts"]

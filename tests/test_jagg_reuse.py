@@ -14,6 +14,7 @@ from jagg_patch.cli import add_jagg_args, jagg_plan_text
 from jagg_toy import NonlinearVelocity, Problem, flat_grad, jagg_reference, rel_err
 
 from conftest import FAST
+from test_jagg_window import captured_step
 from test_update_loop import float64_setup
 
 T = [0.95, 0.9, 0.8, 0.7]
@@ -108,10 +109,9 @@ def test_trainer_on_policy_reuse_equals_recomputation_float64(make_args, backwar
 # ---------------------------------------------------------------- the trainer end to end
 
 def step_with_spy(make_args, monkeypatch, reuse, *argv):
-    """One train_one_step with 8 samples; records (on_policy, samples) of every rollout_output read."""
+    """One train_one_step with 8 samples (test_jagg_window's captured_step); records (on_policy,
+    samples) of every rollout_output read; returns the record, the reads and the flat gradient."""
     apply_jagg(flux, window=4, jagg_frac=1.0, reuse=reuse)
-    args = make_args(*FAST, *argv)
-    ctx = trainer.setup(args, flux.FAMILY(args))
     reads, original = [], trainer.make_update_batch
 
     def spying(*a, **k):
@@ -126,12 +126,8 @@ def step_with_spy(make_args, monkeypatch, reuse, *argv):
         return batch
 
     monkeypatch.setattr(trainer, "make_update_batch", spying)
-    grads = []
-    ctx.optimizer.step = lambda *a, **k: grads.append(grads_of(ctx.raw_transformer))
-    ctx.step = 1
-    record = flux.train_one_step(ctx)
-    ctx.counter.remove()
-    return record, reads, grads
+    record, grads, _ = captured_step(make_args, *argv)
+    return record, reads, [torch.cat([g.reshape(-1) for g in step]) for step in grads]
 
 
 def test_on_policy_never_reuses_after_an_optimizer_step(make_args, monkeypatch):
