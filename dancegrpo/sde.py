@@ -1,8 +1,12 @@
 """Flow-matching schedule and the SDE transition used by DanceGRPO.
 
-The rollout samples x_{k+1} ~ N(mean_k(v), std_k^2) and training re-scores the
-stored x_{k+1} under the current policy; both go through `flux_step`, so the
-ratio is exactly 1 before any update.
+The rollout samples x_{k+1} ~ N(mean_k(v), std_k^2) and training re-scores the stored
+x_{k+1} under the current policy. Both go through `flux_step` with an int transition index, so
+with sigma and sigma' as Python-float scalars (`sde_kernels.sde_transition` splits a re-score of
+per-sample transitions by transition): the arithmetic is the same, and the ratio is exactly 1
+before any update, bf16 model outputs included (sigma * v then rounds to bf16 in both, as
+upstream's 0-d float32 sigmas do). Called directly with a LongTensor index, flux_step takes
+per-sample sigma tensors of the latents' dtype, whose products with a bf16 v are float32.
 """
 import math
 

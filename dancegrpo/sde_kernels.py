@@ -63,7 +63,15 @@ def log_prob(sde_type, sample, mean, std):
 
 def sde_transition(sde_type, v, x, a, sigmas, index, prev_sample=None, generator=None):
     """(next state, log-prob): a draw when prev_sample is None, else a re-score of prev_sample.
-    dance is flux_step itself, bit for bit."""
+    dance is flux_step itself, bit for bit.
+
+    A re-score with per-sample transitions (index [B]) runs the kernel once per distinct transition
+    with an int index on the rows that take it: the same arithmetic as the rollout's draw, which
+    takes an int index. With bf16 model outputs, per-sample sigma tensors would round flux_step's
+    sigma * v products differently (float32 instead of bf16) and the on-policy ratio would not be 1."""
+    if prev_sample is not None and torch.is_tensor(index) and index.ndim > 0:
+        return per_transition(index, lambda k, rows: sde_transition(sde_type, v[rows], x[rows], a, sigmas, k,
+                                                                   prev_sample[rows]))
     if sde_type == "dance":
         next_x, _, logp = flux_step(v, at_least_fp32(x), a, sigmas, index, prev_sample=prev_sample, grpo=True,
                                     sde_solver=True, generator=generator)
@@ -73,6 +81,21 @@ def sde_transition(sde_type, v, x, a, sigmas, index, prev_sample=None, generator
         noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
         prev_sample = mean + noise * std
     return prev_sample, log_prob(sde_type, prev_sample, mean, std)
+
+
+def per_transition(index, step):
+    """step(k, rows) for each distinct transition k in `index` [B] on the rows that take it (k an
+    int); the tuples it returns are put back together in row order."""
+    values = index.unique()
+    if values.numel() == 1:
+        return step(int(values), slice(None))
+    parts, order = [], []
+    for k in values.tolist():
+        rows = (index == k).nonzero().flatten()
+        parts.append(step(k, rows))
+        order.append(rows)
+    inverse = torch.argsort(torch.cat(order))
+    return tuple(torch.cat(part)[inverse] for part in zip(*parts))
 
 
 def ode_transition(v, x, sigmas, index):

@@ -79,6 +79,24 @@ def test_each_kernel_rescores_its_own_draw_with_ratio_one(sde_type):
     assert not torch.allclose(other, logp)
 
 
+@pytest.mark.parametrize("sde_type", SDE_TYPES)
+def test_bf16_outputs_rescore_their_rollout_draws_with_ratio_exactly_one(sde_type):
+    """GPU autocast gives bf16 model outputs. The rollout draws each sample at its transition (an int
+    index, a chunk at a time); the update re-scores a micro-batch of samples at DIFFERENT transitions
+    with one call (index [B]). Both must do the same arithmetic: per-sample sigma tensors would round
+    flux_step's sigma * v in float32 instead of bf16 (|log ratio| ~1e-5 for dance)."""
+    g = torch.Generator().manual_seed(3)
+    ks = torch.tensor([0, 3, 1, 5, 3])
+    x = torch.randn(len(ks), 16, 64, generator=g, dtype=torch.float64).float()
+    v = torch.randn(len(ks), 16, 64, generator=g).bfloat16()
+    drawn = [sde_transition(sde_type, v[i:i + 1], x[i:i + 1], 0.7, SIGMAS.float(), int(k), generator=g)
+             for i, k in enumerate(ks)]
+    rollout_next, rollout_logp = (torch.cat(parts) for parts in zip(*drawn))
+    _, update_logp = sde_transition(sde_type, v, x, 0.7, SIGMAS.float(), ks, prev_sample=rollout_next)
+    assert update_logp.dtype == torch.float32
+    assert torch.equal(torch.exp(update_logp - rollout_logp), torch.ones(len(ks)))
+
+
 def test_ode_is_euler():
     x, v, _ = states(3)
     assert torch.allclose(ode_transition(v, x, SIGMAS, 1), x + v * (SIGMAS[2] - SIGMAS[1]), rtol=1e-15)
