@@ -5,7 +5,7 @@ import os
 import torch
 
 
-def _first_tensor(output):
+def first_tensor(output):
     if torch.is_tensor(output):
         return output
     if isinstance(output, (tuple, list)) and output and torch.is_tensor(output[0]):
@@ -27,7 +27,7 @@ class PassCounter:
         self._handle = module.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module, inputs, output):
-        out = _first_tensor(output)
+        out = first_tensor(output)
         n = out.shape[0] if out is not None and out.ndim > 0 else 1
         if torch.is_grad_enabled() and out is not None and out.requires_grad:
             self.forwards_grad += n

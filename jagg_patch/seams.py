@@ -1,8 +1,10 @@
-"""The ONE list of what jagg_patch touches in dancegrpo.
+"""The ONE list of what jagg_patch touches: in dancegrpo (SEAMS and the fields below), and in an
+upstream DanceGRPO checkout's trainer files (UPSTREAM_*, checked by jagg_patch.upstream).
 
 Rebasing onto a new dancegrpo/ is a run of `check_seams` on every trainer: if a
 seam moved or its signature changed, it fails here, naming the seam, instead of
-silently training vanilla.
+silently training vanilla. Rebasing onto a new upstream release is a run of
+`python -m jagg_patch.upstream --jagg_fingerprint FILE` against UPSTREAM_*.
 """
 import importlib
 import inspect
@@ -66,3 +68,51 @@ def check_seams(module):
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
     _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)
     return module
+
+
+# ---------------------------------------------------------------- upstream DanceGRPO checkouts
+# What jagg_patch.upstream relies on in an unmodified upstream trainer file, per trainer family, as of
+# upstream commit UPSTREAM_COMMIT: `train_one_step` is replaced by a function with the same parameters,
+# `sample_reference_model`, `grpo_one_step` and `gather_tensor` are called, and `flux_step` is what
+# grpo_one_step runs on the stand-in transformer output. The family is told by train_one_step's
+# parameters (`loader` for Flux, `prompt_embeds` for Qwen-Image; the LoRA trainer has no ema_handler).
+UPSTREAM_COMMIT = "15cc71d"
+_FLUX_STEP = ("model_output", "latents", "eta", "sigmas", "index", "prev_sample", "grpo", "sde_solver")
+_FLUX_TRAIN = ("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer", "lr_scheduler",
+               "loader", "noise_scheduler", "max_grad_norm", "preprocess_val", "ema_handler")
+_FLUX_SAMPLE = ("args", "device", "transformer", "vae", "encoder_hidden_states", "pooled_prompt_embeds", "text_ids",
+                "reward_model", "tokenizer", "caption", "preprocess_val")
+_FLUX_GRPO = ("args", "latents", "pre_latents", "encoder_hidden_states", "pooled_prompt_embeds", "text_ids",
+              "image_ids", "transformer", "timesteps", "i", "sigma_schedule")
+UPSTREAM_SEAMS = {
+    "flux": {"train_one_step": _FLUX_TRAIN, "sample_reference_model": _FLUX_SAMPLE, "grpo_one_step": _FLUX_GRPO,
+             "flux_step": _FLUX_STEP},
+    "flux_lora": {"train_one_step": _FLUX_TRAIN[:-1], "sample_reference_model": _FLUX_SAMPLE,
+                  "grpo_one_step": _FLUX_GRPO, "flux_step": _FLUX_STEP},
+    "qwenimage": {
+        "train_one_step": ("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer",
+                           "lr_scheduler", "prompt_embeds", "prompt_attention_masks", "caption", "original_length",
+                           "noise_scheduler", "max_grad_norm", "preprocess_val", "ema_handler"),
+        # The references give this list only as "(...)": it is the Flux one with the mask in place of
+        # the pooled embedding and text ids. The adapter passes arguments by name, so a differing list
+        # still runs under --jagg_allow_upstream_changes when its names are ones the adapter knows.
+        "sample_reference_model": ("args", "device", "transformer", "vae", "encoder_hidden_states",
+                                   "prompt_attention_masks", "reward_model", "tokenizer", "caption",
+                                   "preprocess_val"),
+        "grpo_one_step": ("args", "latents", "pre_latents", "encoder_hidden_states", "prompt_attention_masks",
+                          "txt_seq_lens", "img_shapes", "transformer", "timesteps", "i", "sigma_schedule"),
+        "flux_step": _FLUX_STEP},
+}
+# Functions called by the adapter whose parameter names it does not rely on (one positional argument).
+UPSTREAM_CALLED = ("gather_tensor",)
+# sample_reference_model returns (rewards, all_latents, all_log_probs, sigma_schedule, Flux: all_image_ids |
+# Qwen-Image: all_txt_seq_lens).
+UPSTREAM_ROLLOUT_VALUES = 5
+# Hash of the normalised source (jagg_patch.upstream.fingerprint.source_hash) of each function the adapter
+# RESTATES, at UPSTREAM_COMMIT. None: not recorded in this release (upstream's code could not be read where
+# the adapter was written); record it with `python -m jagg_patch.upstream --jagg_fingerprint FILE`.
+UPSTREAM_SOURCE_HASHES = {
+    ("flux", "train_one_step"): None,
+    ("flux_lora", "train_one_step"): None,
+    ("qwenimage", "train_one_step"): None,
+}

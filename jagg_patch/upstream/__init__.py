@@ -1,0 +1,19 @@
+"""JAGG on an unmodified upstream DanceGRPO checkout (fastvideo/train_grpo_*.py).
+
+    from jagg_patch.upstream import load_trainer, apply, revert
+    module = load_trainer("fastvideo/train_grpo_flux.py")   # definitions; the __main__ block not run
+    apply(module, window=4, jagg_frac=0.6)                    # replaces module.train_one_step
+    ...                                                       # module.train_one_step.last_stats: counts
+    revert(module)
+
+or from the checkout: `torchrun ... -m jagg_patch.upstream --jagg_window 4 fastvideo/train_grpo_flux.py
+<upstream flags>`. Only train_one_step is replaced; upstream's rollout, log-prob and everything else
+run as they are (see jagg_patch.upstream.step), and what the adapter relies on is checked first
+(jagg_patch.upstream.fingerprint against jagg_patch.seams.UPSTREAM_SEAMS).
+"""
+from .fingerprint import UpstreamChanged, UpstreamSourceChanged, check_upstream, fingerprint, source_hash
+from .loader import load_trainer, run_main_block
+from .patch import apply, is_applied, revert
+
+__all__ = ["load_trainer", "run_main_block", "apply", "revert", "is_applied", "check_upstream", "fingerprint",
+           "source_hash", "UpstreamChanged", "UpstreamSourceChanged"]

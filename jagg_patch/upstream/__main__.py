@@ -1,0 +1,120 @@
+"""python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
+
+Runs an upstream DanceGRPO trainer file (fastvideo/train_grpo_flux.py, train_grpo_flux_lora.py,
+train_grpo_qwenimage.py) with its train_one_step replaced by JAGG. Works the same under torchrun.
+"""
+import argparse
+import os
+import sys
+
+from ..cli import add_jagg_args, check_trajectory, fail, jagg_kwargs, jagg_plan_text
+from ..core import validate_jagg_config
+from .families import FAMILIES
+from .fingerprint import UpstreamChanged, fingerprint
+from .loader import load_trainer, run_main_block
+from .patch import apply
+from .step import NEEDS_GROUP
+
+USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
+       torchrun --nproc_per_node=N -m jagg_patch.upstream [--jagg_* flags] fastvideo/train_grpo_flux.py ...
+       python -m jagg_patch.upstream --jagg_fingerprint TRAINER.py
+
+Run an unmodified upstream DanceGRPO trainer with its train_one_step replaced by JAGG; its own
+flags follow the file, unchanged. JAGG flags (removed before upstream's parser sees the argv):
+  --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
+  --jagg_alpha timestep|index  --jagg_backward auto|joint|split|batched (auto: split on one rank,
+  batched on several)  --jagg_reuse_rollout off|on_policy|always  --jagg_grouping trained|window
+  --jagg_allow_upstream_changes   run although the file differs from what the adapter relies on
+  --jagg_fingerprint               print the file's fingerprint (family, parameters, source hash), exit
+--jagg_mode exact reproduces upstream's own step (same gradients, returns and RNG draws).
+"""
+
+
+def jagg_parser():
+    parser = add_jagg_args(argparse.ArgumentParser(prog="python -m jagg_patch.upstream", usage=USAGE,
+                                                   add_help=False, allow_abbrev=False))
+    parser.add_argument("--jagg_allow_upstream_changes", action="store_true",
+                        help="Warn instead of stopping when upstream's functions differ from what the adapter "
+                             "relies on (jagg_patch.seams.UPSTREAM_SEAMS).")
+    parser.add_argument("--jagg_fingerprint", action="store_true",
+                        help="Print the trainer file's fingerprint (to record a release) and exit.")
+    return parser
+
+
+def split_argv(argv):
+    """(parsed JAGG flags, trainer file, upstream's flags): the file is the first argument ending in
+    .py; JAGG flags stand before it, or among upstream's, from where they are taken out."""
+    script = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
+    if script is None:
+        fail(f"no trainer file given (e.g. fastvideo/train_grpo_flux.py)\n\n{USAGE}")
+    parser = jagg_parser()
+    jagg_tokens, upstream_flags = _take_jagg_flags(parser, argv[script + 1:])
+    return parser.parse_args(argv[:script] + jagg_tokens), argv[script], upstream_flags
+
+
+def _take_jagg_flags(parser, args):
+    """(--jagg_* flags with their values, the other arguments), in their order."""
+    takes_value = {a.option_strings[0]: a.nargs != 0 for a in parser._actions if a.option_strings}
+    jagg, others, i = [], [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in takes_value:
+            n = 2 if takes_value[name] and "=" not in args[i] else 1
+            jagg += args[i:i + n]
+            i += n
+        else:
+            others.append(args[i])
+            i += 1
+    return jagg, others
+
+
+def preflight(upstream_args, jagg, family):
+    """The checks that need upstream's parsed flags, before upstream's main loads anything; then the plan."""
+    merged = argparse.Namespace(**{**vars(upstream_args), **vars(jagg)})
+    if FAMILIES[family].needs_group and not getattr(upstream_args, "use_group", False):
+        fail(NEEDS_GROUP + "; add --use_group")
+    per_rank = upstream_args.train_batch_size * (upstream_args.num_generations if upstream_args.use_group else 1)
+    if upstream_args.gradient_accumulation_steps > per_rank:
+        fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {per_rank} "
+             "samples a rank trains per step, so train_one_step would never step the optimizer (upstream then "
+             "fails on an unbound grad_norm); lower it")
+    check_trajectory(merged)
+    try:
+        plan = jagg_plan_text(merged)
+    except Exception as e:  # noqa: BLE001  (a ConfigError of the plan: a bad fraction or S)
+        fail(str(e))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(plan, flush=True)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0 if argv else 2)
+    jagg, script, upstream_argv = split_argv(argv)
+    try:
+        validate_jagg_config(jagg.jagg_window, jagg.jagg_frac, jagg.jagg_mode, jagg.jagg_alpha, jagg.jagg_backward,
+                             jagg.jagg_grouping, jagg.jagg_reuse_rollout)
+        module = load_trainer(script)
+        if jagg.jagg_fingerprint:
+            print(fingerprint(module))
+            return 0
+        family = apply(module, **jagg_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
+    except (ValueError, FileNotFoundError, UpstreamChanged) as e:
+        fail(str(e))
+    except ImportError as e:
+        fail(f"cannot load {script}: {e} (run it with upstream's environment, from its checkout)")
+    upstream_main = module.main
+
+    def checked_main(args):
+        preflight(args, jagg, family)
+        return upstream_main(args)
+
+    module.main = checked_main   # upstream's __main__ block calls main(args) by its global name
+    run_main_block(module, upstream_argv)
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""apply / revert: replace an upstream trainer module's train_one_step by the restated one
+(jagg_patch.upstream.step) with jagg_patch's policy update, after checking the fingerprint."""
+import inspect
+import json
+import os
+import uuid
+
+from dancegrpo.grpo import select_train_steps
+
+from ..core import validate_jagg_config
+from ..patch import make_policy_update, make_window_selection
+from .fingerprint import check_upstream
+from .step import train_step
+
+_ORIGINALS = {}   # module name -> upstream's own train_one_step, while patched
+
+
+def _print_on_rank0(message):
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(message, flush=True)
+
+
+def _write_metrics_line(args, record):
+    """<output_dir>/jagg_metrics.jsonl, one line per step on rank 0; appended (lines of other runs
+    in the folder are kept, told apart by run_id)."""
+    output_dir = getattr(args, "output_dir", None)
+    if not output_dir or int(os.environ.get("RANK", "0")) != 0:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "jagg_metrics.jsonl"), "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def make_train_one_step(module, family, update, select, original):
+    """A function with upstream's train_one_step parameters that runs the restated step."""
+    signature, run_id = inspect.signature(original), uuid.uuid4().hex[:12]
+
+    def train_one_step(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        result, stats = train_step(module, family, update, select, bound.arguments)
+        train_one_step.calls += 1
+        train_one_step.last_stats = stats
+        _write_metrics_line(bound.arguments["args"], {"step": train_one_step.calls, "run_id": run_id,
+                                                      "family": family, **update.jagg_config, **stats})
+        return result
+
+    train_one_step.__signature__ = signature
+    train_one_step.__name__ = original.__name__
+    train_one_step.calls, train_one_step.last_stats = 0, None
+    train_one_step.jagg_config, train_one_step.jagg_family = update.jagg_config, family
+    return train_one_step
+
+
+def apply(module, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint", reuse="on_policy",
+          grouping="trained", allow_upstream_changes=False, source_hashes=None):
+    """Replace module.train_one_step (upstream's own, from load_trainer or an import) by JAGG's.
+    mode "exact" reproduces upstream's step; grouping "window" is the authors' (it draws windows,
+    not upstream's transitions). Applying again only changes the configuration. Returns the family."""
+    validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
+    original = _ORIGINALS.get(module.__name__, module.train_one_step)
+    module.train_one_step = original   # the fingerprint is of upstream's own function
+    family = check_upstream(module, allow_upstream_changes, source_hashes, log=_print_on_rank0)
+    update = make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse)
+    select = make_window_selection(window) if grouping == "window" else select_train_steps
+    _ORIGINALS[module.__name__] = original
+    module.train_one_step = make_train_one_step(module, family, update, select, original)
+    return family
+
+
+def revert(module):
+    """Put upstream's own train_one_step back."""
+    original = _ORIGINALS.pop(module.__name__, None)
+    if original is not None:
+        module.train_one_step = original
+
+
+def is_applied(module):
+    return module.__name__ in _ORIGINALS

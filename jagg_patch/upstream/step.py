@@ -1,0 +1,237 @@
+"""The restated train_one_step: upstream's own rollout (sample_reference_model), its own log-prob
+(grpo_one_step, hence flux_step), and only upstream's inline parts written again with its rules:
+the group repeat, the timesteps, the reward report, the advantages, the trained transitions drawn
+on the global generator, the PPO-clip loss over GA * train_timesteps, the accumulation cadence, the
+clip / optimizer / scheduler steps, the per-sample prints and barrier.
+
+Each sample is one micro-batch, as upstream's; its gradient comes from jagg_patch's policy update
+(make_policy_update) through an UpdateBatch whose closures call grpo_one_step: with the real
+transformer behind a recording stand-in for a forward (predict), and with a stand-in that returns a
+given output for the upstream gradient s_j (step_loss), so s_j flows through upstream's flux_step.
+"""
+import contextlib
+import inspect
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dancegrpo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
+from dancegrpo.metrics import PassCounter, first_tensor
+
+from ..seams import UPSTREAM_ROLLOUT_VALUES
+from .families import FAMILIES, repeat_captions, repeat_rows
+from .fingerprint import UpstreamChanged, rollout_changed
+from .rollout_record import RolloutRecorder
+
+NEEDS_GROUP = ("upstream's Qwen-Image train_one_step needs --use_group (without it upstream fails with "
+               "UnboundLocalError: its embeddings are bound only under --use_group)")
+
+
+def call_by_name(fn, values):
+    """fn(**{each of its parameters: values[name]}); a required parameter without a value fails, naming it."""
+    params = inspect.signature(fn).parameters
+    missing = [name for name, p in params.items() if name not in values and p.default is inspect.Parameter.empty]
+    if missing:
+        raise UpstreamChanged(f"upstream's {fn.__name__} takes {missing}, which jagg_patch.upstream has no value "
+                              "for; see jagg_patch.seams.UPSTREAM_SEAMS")
+    return fn(**{name: values[name] for name in params if name in values})
+
+
+class StandIn:
+    """What grpo_one_step gets as `transformer`: the real one, whose output it records (`output`
+    None), or a stand-in that returns `output` itself (the detached proxy of phase 2)."""
+
+    def __init__(self, model, output=None):
+        self.model, self.output, self._fixed = model, output, output is not None
+
+    def __call__(self, *args, **kwargs):
+        if self._fixed:
+            return (self.output,)
+        result = self.model(*args, **kwargs)
+        self.output = first_tensor(result)
+        return result
+
+    def __getattr__(self, name):   # train(), eval(), config, dtype ...: the real transformer's
+        return getattr(self.model, name)
+
+
+@dataclass
+class Trajectories:
+    """One step's rollout as the update reads it; rows are samples, in upstream's order."""
+    args: object
+    prompts: dict            # per-sample prompt tensors (group-repeated), by upstream's names
+    extra: object            # the rollout's 5th value: Flux all_image_ids, Qwen-Image all_txt_seq_lens
+    latents: torch.Tensor    # all_latents [B, S+1, L, C]
+    log_probs: torch.Tensor  # all_log_probs [B, S]
+    sigma_schedule: torch.Tensor
+    timesteps: torch.Tensor  # [S] int(sigma * 1000), long, as upstream feeds timesteps / 1000
+    advantages: torch.Tensor
+    normaliser: int          # GA * train_timesteps
+    outputs: torch.Tensor = None   # [B, S, L, C] the rollout's model outputs, when recorded
+
+
+def _rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _mean_over_ranks(value, device):
+    """Upstream all-reduces each loss with AVG (nccl only): the sum over ranks / world size."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def upstream_advantages(rewards, gathered, args):
+    """Per group of num_generations: (r - mean) / (unbiased std + 1e-8); without groups, by the
+    statistics of every rank's rewards."""
+    if not args.use_group:
+        return (rewards - gathered.mean()) / (gathered.std() + 1e-8)
+    advantages = torch.zeros_like(rewards)
+    g = args.num_generations
+    for start in range(0, len(rewards) // g * g, g):
+        group = rewards[start:start + g]
+        advantages[start:start + g] = (group - group.mean()) / (group.std() + 1e-8)
+    return advantages
+
+
+def report_rewards(gathered):
+    """Rank 0 prints every rank's rewards and appends their mean to ./reward.txt, as upstream."""
+    if _rank() == 0:
+        print("gathered_hps_reward", gathered, flush=True)
+        with open("./reward.txt", "a") as f:
+            f.write(f"{gathered.mean().item():.4f}\n")
+
+
+def optimizer_step(transformer, optimizer, lr_scheduler, max_grad_norm):
+    """Clip (FSDP's clip_grad_norm_ where the transformer has it), optimizer and scheduler step, zero grad."""
+    clip = getattr(transformer, "clip_grad_norm_", None)
+    grad_norm = (clip(max_grad_norm) if clip is not None else
+                 torch.nn.utils.clip_grad_norm_([p for p in transformer.parameters() if p.requires_grad],
+                                                max_grad_norm))
+    optimizer.step()
+    lr_scheduler.step()
+    optimizer.zero_grad()
+    return grad_norm
+
+
+def sample_batch(module, family, traj, i, steps, on_policy, transformer, last):
+    """The UpdateBatch of sample i (a micro-batch of one). `last` keeps the latest ratio and loss."""
+    args = traj.args
+
+    def grpo_one_step(ks, model):
+        """upstream's grpo_one_step on sample i's transitions ks (each a LongTensor [1]), stacked."""
+        values = {"args": args, "transformer": model, "sigma_schedule": traj.sigma_schedule, "i": ks[0][0],
+                  "latents": torch.cat([traj.latents[i, k] for k in ks]),
+                  "pre_latents": torch.cat([traj.latents[i, k + 1] for k in ks]),
+                  "timesteps": torch.cat([traj.timesteps[k] for k in ks]),
+                  **family.condition(traj.prompts, traj.extra, i, len(ks), args)}
+        return call_by_name(module.grpo_one_step, values)
+
+    def predict(k):
+        model = StandIn(transformer)
+        grpo_one_step([k], model)
+        return model.output
+
+    def predict_batched(ks):
+        model = StandIn(transformer)
+        grpo_one_step(list(ks), model)   # one transformer call; its log-prob (one index for all) is unused
+        return list(model.output.split(1))
+
+    def step_loss(k, v):
+        log_prob = grpo_one_step([k], StandIn(transformer, v))
+        old = traj.log_probs[i, k]
+        per_sample = ppo_clip_loss(log_prob, old, traj.advantages[i:i + 1], args.clip_range, args.adv_clip_max)
+        loss = torch.mean(per_sample) / traj.normaliser
+        last["ratio"], last["loss"] = torch.exp(log_prob - old).detach(), loss.detach()
+        return loss
+
+    def rollout_output(k):
+        return traj.outputs[i, k]
+
+    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=traj.timesteps / 1000,
+                       subset=lambda rows: sample_batch(module, family, traj, i, steps[rows], on_policy,
+                                                        transformer, last),
+                       rollout_output=rollout_output if traj.outputs is not None else None, on_policy=on_policy,
+                       predict_batched=predict_batched)
+
+
+def rollout(module, family_name, update, named):
+    """Upstream's group repeat and its own sample_reference_model (with the transformer's outputs
+    recorded when the update reuses them) -> (Trajectories without advantages, rewards)."""
+    family = FAMILIES[family_name]
+    args = named["args"]
+    prompts, caption = family.prompts(named)
+    if args.use_group:
+        prompts = {name: repeat_rows(value, args.num_generations) for name, value in prompts.items()}
+        caption = repeat_captions(caption, args.num_generations)
+    elif family.needs_group:
+        raise ValueError(NEEDS_GROUP)
+    recorder = RolloutRecorder(named["transformer"]) if wants_rollout_outputs(update) else None
+    with recorder or contextlib.nullcontext():
+        result = call_by_name(module.sample_reference_model,
+                              {**named, **family.rollout_values(prompts), "caption": caption})
+    if len(result) != UPSTREAM_ROLLOUT_VALUES:
+        raise UpstreamChanged(rollout_changed(family_name, len(result)))
+    rewards, all_latents, all_log_probs, sigma_schedule, extra = result
+    timestep_value = [int(sigma * 1000) for sigma in sigma_schedule][:args.sampling_steps]
+    traj = Trajectories(args, prompts, extra, all_latents, all_log_probs, sigma_schedule,
+                        torch.tensor(timestep_value, device=all_latents.device, dtype=torch.long), None, 0,
+                        recorder.outputs(all_latents) if recorder is not None else None)
+    return traj, rewards.to(torch.float32)
+
+
+def train_step(module, family_name, update, select_train_steps, named):
+    """One upstream training step with the policy update `update`; returns ((total_loss, grad_norm),
+    stats) with stats counted by hooks on the transformer."""
+    family = FAMILIES[family_name]
+    args, transformer, device = named["args"], named["transformer"], named["device"]
+    optimizer, ga = named["optimizer"], args.gradient_accumulation_steps
+    counter, t_start = PassCounter(transformer), time.time()
+    try:
+        if family.zero_grad_first:
+            optimizer.zero_grad()
+        traj, rewards = rollout(module, family_name, update, named)
+        gathered = module.gather_tensor(rewards)
+        report_rewards(gathered)
+        traj.advantages = upstream_advantages(rewards, gathered, args)
+        num_samples = traj.latents.shape[0]
+        # Upstream's draw (a randperm per sample on the global generator), or the window grouping's.
+        selection = select_train_steps(num_samples, traj.log_probs.shape[1] - 1, args.timestep_fraction, None)
+        traj.normaliser = ga * selection.num_train
+        steps = selection.steps.to(device)
+        t_update, stats, total_loss, grad_norm, optimizer_steps, last = time.time(), UpdateStats(), 0.0, None, 0, {}
+        for i in range(num_samples):
+            sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
+                                               transformer, last))
+            stats += sample_stats
+            loss = _mean_over_ranks(sample_stats.loss, device)
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"jagg_patch.upstream: the loss of sample {i} is {loss}; stopped before the "
+                                         "optimizer step, so the weights are not trained on it")
+            total_loss += loss
+            if (i + 1) % ga == 0:
+                grad_norm = optimizer_step(transformer, optimizer, named["lr_scheduler"], named["max_grad_norm"])
+                optimizer_steps += 1
+            if _rank() % 8 == 0:
+                print("reward", rewards[i].item(), "ratio", last.get("ratio"), "advantage",
+                      traj.advantages[i].item(), "final loss", last["loss"].item(), flush=True)
+            if dist.is_initialized():
+                dist.barrier()
+        if grad_norm is None:
+            raise RuntimeError(f"jagg_patch.upstream: no optimizer step in this step: --gradient_accumulation_steps "
+                               f"{ga} exceeds the {num_samples} samples a rank trains; lower it")
+        t_end = time.time()
+    finally:
+        counter.remove()
+    stats_dict = {**counter.as_dict(), "transformer_forwards_reused": stats.forwards_reused,
+                  "jagg_groups": stats.jagg_groups, "exact_groups": stats.exact_groups,
+                  "backward_calls": stats.backward_calls, "samples": num_samples, "optimizer_steps": optimizer_steps,
+                  "loss": total_loss, "grad_norm": grad_norm.item(), "step_time_s": t_end - t_start,
+                  "rollout_time_s": t_update - t_start, "update_time_s": t_end - t_update}
+    return (total_loss, grad_norm.item()), stats_dict
+
