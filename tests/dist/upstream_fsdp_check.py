@@ -1,0 +1,86 @@
+"""Run under `torchrun --nproc_per_node=2 upstream_fsdp_check.py CACHE_DIR OUT.json`: jagg_patch.upstream on
+the Flux stand-in with its transformer under FSDP1 (gloo, CPU), as upstream wraps it. Rank 0 writes:
+- rel_exact: exact mode's gradient against the stand-in's own train_one_step, both under FSDP;
+- rel_jagg: JAGG (backward auto, i.e. batched on 2 ranks, with rollout reuse) under FSDP against the
+  mean over ranks of the JAGG gradients of the same step on an unwrapped copy of the weights;
+- stats: rank 0's hook counts of the FSDP JAGG step.
+Gradients are read at the optimizer step (SGD at lr 0, so every run starts from the same weights)."""
+import copy
+import json
+import os
+import sys
+import tempfile
+import types
+
+import torch
+import torch.distributed as dist
+
+STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "upstream_standin")
+B = 4   # one prompt x 4 generations per rank, GA 4: one optimizer step
+
+
+def main():
+    cache_dir, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sys.path.insert(0, STANDIN)
+    from dancegrpo.distributed import full_gradients, wrap_fsdp
+    from dancegrpo.models.flux import FluxFamily
+    from fastvideo.utils.standin_setup import ClipGradModule, latent_reward, load_transformer, prompt_batches
+    from fastvideo.utils.standin_setup import standin_parser
+    from jagg_patch.upstream import apply, load_trainer, revert
+
+    module = load_trainer(os.path.join(STANDIN, "fastvideo", "train_grpo_flux.py"))
+    args = standin_parser().parse_args(
+        ["--cache_dir", cache_dir, "--output_dir", tempfile.mkdtemp(), "--use_group", "--num_generations", str(B),
+         "--gradient_accumulation_steps", str(B), "--clip_range", "0.05", "--max_grad_norm", "1e9"])
+    plain, data_json = load_transformer("flux", cache_dir, torch.float32)
+    batches = prompt_batches("flux", data_json, 1, torch.float64)
+    batch = [next(batches) for _ in range(rank + 1)][-1]   # each rank its own prompt
+    family = FluxFamily(types.SimpleNamespace(h=64, w=64))
+    fsdp = wrap_fsdp(copy.deepcopy(plain.module), family.block_classes(plain.module), torch.device("cpu"))
+    os.chdir(tempfile.mkdtemp())   # ./reward.txt
+
+    def step(model):
+        torch.manual_seed(11 + rank)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trainable, lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        grads = []
+        optimizer.register_step_pre_hook(lambda *_: grads.append(full_gradients(model)))
+        module.train_one_step(args, torch.device("cpu"), model, None, latent_reward, None, optimizer, scheduler,
+                              iter([batch]), None, args.max_grad_norm, None, None)
+        (grad,) = grads
+        return grad
+
+    upstream = step(fsdp)
+    apply(module, mode="exact")
+    exact = step(fsdp)
+    apply(module, window=4, jagg_frac=1.0, backward="auto", reuse="on_policy")
+    jagg = step(fsdp)
+    stats = module.train_one_step.last_stats
+    # This rank's JAGG gradient without FSDP, in float64: the stand-in's latents are float64, which
+    # FSDP's fp32 mixed precision casts for its float32 weights.
+    local = step(ClipGradModule(copy.deepcopy(plain.module).double()))
+    revert(module)
+    reference = {}
+    for name, grad in local.items():
+        dist.all_reduce(grad)
+        reference[name.removeprefix("module.")] = grad.float() / world   # FSDP averages over ranks
+
+    def rel(got, ref):
+        num = sum(float((got[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
+        return num / sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
+
+    result = {"world_size": world, "rel_exact": rel(exact, upstream), "rel_jagg": rel(jagg, reference),
+              "same_names": set(jagg) == set(reference), "ref_norm": sum(float(g.norm()) for g in reference.values()),
+              "stats": stats}
+    dist.barrier()  # ~1 in 10 CPU runs aborted in destroy_process_group without it
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
