@@ -270,30 +270,71 @@ def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps
     return stats
 
 
-def update_policy(ctx, rollout, cond, advantages, host_gen, policy_update, select_train_steps=vanilla_selection):
-    """Upstream's update cadence around the seams: per sample the transitions that
-    `select_train_steps` draws, optimizer step after every GA samples (and after a final
-    partial block). The update's saved activations are metered (ctx.activation_meter)."""
-    args = ctx.args
+@dataclass
+class PreparedUpdate:
+    """One rollout made ready for the policy update: what the loop and every jagg_patch tool
+    update from (`prepare_update`)."""
+    cond: dict
+    captions: list
+    rollout: Rollout
+    all_rewards: torch.Tensor   # every rank's rewards
+    advantages: torch.Tensor
+    selection: object           # grpo.TrainSelection, steps on the device
+    normaliser: int             # each transition's loss is divided by it: GA * selection.num_train
+    selection_rng: torch.Tensor  # the host generator's state before the selection (to draw another one)
+
+
+def train_selection(ctx, rollout, host_gen, select_train_steps=vanilla_selection):
+    """The transitions each sample trains: its SDE window under --sde_window_size (whatever the
+    fraction, as Flow-GRPO-Fast), else what the `select_train_steps` seam draws."""
     num_samples, num_transitions = rollout.log_probs.shape[0], rollout.log_probs.shape[1] - 1  # last dropped
-    if rollout.window_start is not None:   # Flow-GRPO-Fast trains its window, whatever the fraction
-        selection = window_train_steps(rollout.window_start.cpu(), args.sde_window_size)
+    if rollout.window_start is not None:
+        selection = window_train_steps(rollout.window_start.cpu(), ctx.args.sde_window_size)
     else:
-        selection = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
-    steps = selection.steps.to(ctx.device)
-    normaliser = args.gradient_accumulation_steps * selection.num_train
+        selection = select_train_steps(num_samples, num_transitions, ctx.args.timestep_fraction, host_gen)
+    selection.steps = selection.steps.to(ctx.device)
+    return selection
+
+
+def prepare_update(ctx, select_train_steps=vanilla_selection, keep_outputs=False, step=None):
+    """A training step's data, rollout, rewards (gathered over ranks), advantages and trained
+    transitions, drawn with the generators of training step `step` (default ctx.step) in the
+    loop's order; keep_outputs: the rollout keeps its model outputs (see grpo.wants_rollout_outputs)."""
+    args = ctx.args
+    noise_gen, host_gen = step_generators(ctx, ctx.step if step is None else step)
+    cond, captions = expand_groups(args, next(ctx.loader))
+    cond = {k: v.to(ctx.device) for k, v in cond.items()}
+    rollout = sample_reference_model(ctx, cond, captions, noise_gen, keep_outputs=keep_outputs)
+    all_rewards = gather_tensor(rollout.rewards)
+    require_finite("reward", all_rewards, ctx.step, ctx.device)
+    require_finite("rollout log-prob", rollout.log_probs, ctx.step, ctx.device)
+    advantages = compute_advantages(ctx, rollout.rewards, all_rewards, host_gen)
+    require_finite("advantage", advantages, ctx.step, ctx.device)
+    selection_rng = host_gen.get_state()
+    selection = train_selection(ctx, rollout, host_gen, select_train_steps)
+    return PreparedUpdate(cond, captions, rollout, all_rewards, advantages, selection,
+                          args.gradient_accumulation_steps * selection.num_train, selection_rng)
+
+
+def update_policy(ctx, prepared, policy_update):
+    """Upstream's update cadence around the policy_update seam: an optimizer step after every GA
+    samples (and after a final partial block). The update's saved activations are metered
+    (ctx.activation_meter). Returns (UpdateStats, grad norms)."""
+    args = ctx.args
+    num_samples = prepared.rollout.log_probs.shape[0]
     ctx.transformer.train()
     stats, grad_norms = UpdateStats(), []
     for block in range(0, num_samples, args.gradient_accumulation_steps):
         idx = torch.arange(block, min(block + args.gradient_accumulation_steps, num_samples), device=ctx.device)
         with ctx.activation_meter:
-            block_stats = accumulate_policy_gradient(ctx, rollout, cond, advantages, idx, steps, normaliser,
-                                                     policy_update, on_policy=not grad_norms)
+            block_stats = accumulate_policy_gradient(ctx, prepared.rollout, prepared.cond, prepared.advantages, idx,
+                                                     prepared.selection.steps, prepared.normaliser, policy_update,
+                                                     on_policy=not grad_norms)
         where = f" (optimizer step {len(grad_norms) + 1} of this step, samples {block}..{int(idx[-1])})"
         require_finite("loss", block_stats.loss, ctx.step, ctx.device, where)
         grad_norms.append(optimizer_step(ctx, where))
         stats += block_stats
-    return stats, grad_norms, selection.num_train
+    return stats, grad_norms
 
 
 def optimizer_step(ctx, where):
@@ -340,31 +381,21 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
     ctx.counter.reset()
     ctx.activation_meter.reset()
     cuda_peak_reset(ctx.device)
-    noise_gen, host_gen = step_generators(ctx, ctx.step)
-    cond, captions = expand_groups(args, next(ctx.loader))
-    cond = {k: v.to(ctx.device) for k, v in cond.items()}
-
-    rollout = sample_reference_model(ctx, cond, captions, noise_gen, keep_outputs=wants_rollout_outputs(policy_update))
-    all_rewards = gather_tensor(rollout.rewards)
-    require_finite("reward", all_rewards, ctx.step, ctx.device)
-    require_finite("rollout log-prob", rollout.log_probs, ctx.step, ctx.device)
-    advantages = compute_advantages(ctx, rollout.rewards, all_rewards, host_gen)
-    require_finite("advantage", advantages, ctx.step, ctx.device)
+    prepared = prepare_update(ctx, select_train_steps, keep_outputs=wants_rollout_outputs(policy_update))
     t_rollout = time.time()
 
-    stats, grad_norms, num_train = update_policy(ctx, rollout, cond, advantages, host_gen, policy_update,
-                                                 select_train_steps)
+    stats, grad_norms = update_policy(ctx, prepared, policy_update)
     if ctx.ema is not None and ctx.step >= args.ema_start_step:
         ctx.ema.update()
     t_end = time.time()
 
     counts = ctx.counter.as_dict()
-    summed = _sum_over_ranks([*counts.values(), stats.jagg_groups, stats.exact_groups, len(captions),
+    summed = _sum_over_ranks([*counts.values(), stats.jagg_groups, stats.exact_groups, len(prepared.captions),
                               stats.forwards_reused], ctx.device)
     record = {
         "step": ctx.step,
-        "reward_mean": all_rewards.mean().item(),
-        "reward_std": all_rewards.std().item() if all_rewards.numel() > 1 else 0.0,
+        "reward_mean": prepared.all_rewards.mean().item(),
+        "reward_std": prepared.all_rewards.std().item() if prepared.all_rewards.numel() > 1 else 0.0,
         "loss": all_reduce_mean(stats.loss, ctx.device),
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "lr": ctx.lr_scheduler.get_last_lr()[0],
@@ -376,7 +407,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         "jagg_groups": summed[3],
         "exact_groups": summed[4],
         "samples": summed[5],
-        "train_timesteps": num_train,
+        "train_timesteps": prepared.selection.num_train,
         "optimizer_steps": len(grad_norms),
         "world_size": ctx.world_size,
         # The largest rank's peak of tensors saved for backward during the update.

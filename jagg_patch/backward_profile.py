@@ -30,16 +30,15 @@ def _timed(fn):
 
 def measure(module, args):
     from dancegrpo import trainer
-    from dancegrpo.grpo import choose_train_steps
+    from dancegrpo.errors import ConfigError
     ctx = trainer.setup(args, module.FAMILY(args))
-    cond, captions = trainer.expand_groups(args, next(ctx.loader))
-    cond = {k: v.to(ctx.device) for k, v in cond.items()}
-    noise_gen, host_gen = trainer.step_generators(ctx, 1)
-    rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen)
-    adv = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
+    prepared = trainer.prepare_update(ctx, step=1)
     idx = torch.arange(args.update_batch_size, device=ctx.device)
-    steps = choose_train_steps(len(idx), rollout.log_probs.shape[1] - 1, 2, host_gen).to(ctx.device)
-    batch = trainer.make_update_batch(ctx, rollout, cond, adv, idx, steps, 1)
+    steps = prepared.selection.steps[idx][:, :2]   # two trained transitions per sample: the endpoints
+    if steps.shape[1] < 2:
+        raise ConfigError("jagg_patch.backward_profile needs 2 trained transitions per sample; raise "
+                          "--timestep_fraction or --sde_window_size")
+    batch = trainer.make_update_batch(ctx, prepared.rollout, prepared.cond, prepared.advantages, idx, steps, 1)
     k0, k1 = steps[:, 0], steps[:, 1]
     model = ctx.transformer
     model.train()

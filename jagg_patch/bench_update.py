@@ -128,31 +128,17 @@ class UnitCosts:
         return {k: statistics.median(v) for k, v in self.samples.items()}
 
 
-def _setup_rollout(module, args):
+def _selections(ctx, args, prepared):
+    """{"vanilla": vanilla's TrainSelection, "jagg": the configured grouping's}: the same for the
+    trained grouping (which keeps vanilla's subset) and under --sde_window_size (every mode trains
+    the sampler's window); the window grouping draws from the generator state vanilla drew from."""
     from dancegrpo import trainer
-    ctx = trainer.setup(args, module.FAMILY(args))
-    cond, captions = trainer.expand_groups(args, next(ctx.loader))
-    cond = {k: v.to(ctx.device) for k, v in cond.items()}
-    noise_gen, host_gen = trainer.step_generators(ctx, 1)
-    rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen, keep_outputs=True)  # also the warm-up
-    advantages = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
-    return ctx, cond, captions, rollout, advantages, host_gen
-
-
-def _selections(args, rollout, num_samples, num_transitions, host_gen):
-    """{"vanilla": vanilla's TrainSelection, "jagg": the configured grouping's} (same draws for
-    the trained grouping, which keeps vanilla's subset)."""
-    from dancegrpo.grpo import select_train_steps, window_train_steps
-    if rollout.window_start is not None:   # Flow-GRPO-Fast: every mode trains the sampler's window
-        window = window_train_steps(rollout.window_start.cpu(), args.sde_window_size)
-        return {"vanilla": window, "jagg": window}
-    state = host_gen.get_state()
-    vanilla = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
-    if args.jagg_grouping == "trained":
+    vanilla = prepared.selection
+    if args.jagg_grouping == "trained" or prepared.rollout.window_start is not None:
         return {"vanilla": vanilla, "jagg": vanilla}
-    host_gen.set_state(state)
-    return {"vanilla": vanilla, "jagg": make_window_selection(args.jagg_window)(
-        num_samples, num_transitions, args.timestep_fraction, host_gen)}
+    generator = torch.Generator().set_state(prepared.selection_rng)
+    return {"vanilla": vanilla, "jagg": trainer.train_selection(ctx, prepared.rollout, generator,
+                                                                make_window_selection(args.jagg_window))}
 
 
 def _predicted(args, selection, num_transitions, mode, units, schedule="project"):
@@ -205,7 +191,9 @@ def run_benchmark(module, args):
     bad = [m for m in modes if m not in ALL_MODES]
     if bad or "vanilla" not in modes:
         raise SystemExit(f"error: --bench_modes must include vanilla and come from {ALL_MODES}, got {modes}")
-    ctx, cond, captions, rollout, advantages, host_gen = _setup_rollout(module, args)
+    ctx = trainer.setup(args, module.FAMILY(args))
+    prepared = trainer.prepare_update(ctx, keep_outputs=True, step=1)   # the rollout is also the warm-up
+    cond, captions, rollout, advantages = prepared.cond, prepared.captions, prepared.rollout, prepared.advantages
     rollout_times = []
 
     def time_rollout():
@@ -215,7 +203,7 @@ def run_benchmark(module, args):
         rollout_times.append(t.seconds)
 
     num_samples, num_transitions = rollout.log_probs.shape[0], rollout.log_probs.shape[1] - 1
-    selections = _selections(args, rollout, num_samples, num_transitions, host_gen)
+    selections = _selections(ctx, args, prepared)
     all_idx = torch.arange(num_samples, device=ctx.device)
     ctx.transformer.train()
     updates = {"vanilla": vanilla_update}

@@ -144,22 +144,17 @@ def setup_diagnostics(module, args):
 def measure_rollout(ctx, args, step):
     """The per-group rows for one rollout drawn with the generators of training step `step`."""
     from dancegrpo import trainer
-    from dancegrpo.grpo import select_train_steps
-    noise_gen, host_gen = trainer.step_generators(ctx, step)
-    cond, captions = trainer.expand_groups(args, next(ctx.loader))
-    cond = {k: v.to(ctx.device) for k, v in cond.items()}
-    rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen)
-    advantages = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
+    # Vanilla's draw (the trained grouping's groups come from it; the cosines do not depend on the
+    # loss normaliser), or each sample's SDE window under --sde_window_size.
+    prepared = trainer.prepare_update(ctx, step=step)
+    rollout = prepared.rollout
     num_samples, num_transitions = min(args.diag_samples, rollout.rewards.numel()), rollout.log_probs.shape[1] - 1
-    # Vanilla's draw: the trained grouping's groups come from it (the cosines do not depend
-    # on the loss normaliser).
-    selection = select_train_steps(num_samples, num_transitions, args.timestep_fraction, host_gen)
-    steps = selection.steps.to(ctx.device)
-    normaliser = args.gradient_accumulation_steps * selection.num_train
+    steps = prepared.selection.steps[:num_samples]
     ctx.transformer.train()
 
     def make_batch(idx):
-        return trainer.make_update_batch(ctx, rollout, cond, advantages, idx, steps[idx], normaliser)
+        return trainer.make_update_batch(ctx, rollout, prepared.cond, prepared.advantages, idx, steps[idx],
+                                         prepared.normaliser)
 
     groups = measured_groups(steps, args.jagg_window, args.jagg_grouping, num_transitions)
     return group_similarities(ctx, make_batch, groups, args.update_batch_size, ctx.timesteps)

@@ -26,6 +26,42 @@ UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "
                        "on_policy", "predict_batched")
 UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", "forwards_reused")
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
+# Everything else of dancegrpo that jagg_patch, its launchers and its tools use (tests check that
+# nothing outside this list is imported): (module, name, its parameter names, or None for a class or
+# constant). The tools prepare their update as the loop does, through trainer.prepare_update.
+DANCEGRPO_USES = (
+    ("dancegrpo", "TRAINERS", None),
+    ("dancegrpo.args", "parse_args", ("parser", "argv")),
+    ("dancegrpo.distributed", "clean_param_name", ("name",)),
+    ("dancegrpo.errors", "ConfigError", None),
+    ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
+    ("dancegrpo.grpo", "TrainSelection", None),
+    ("dancegrpo.grpo", "UpdateBatch", None),
+    ("dancegrpo.grpo", "UpdateStats", None),
+    ("dancegrpo.grpo", "num_train_timesteps", ("num_transitions", "timestep_fraction")),
+    ("dancegrpo.grpo", "policy_update", ("batch",)),
+    ("dancegrpo.grpo", "ppo_clip_loss", ("log_prob", "old_log_prob", "advantages", "clip_range", "adv_clip_max")),
+    ("dancegrpo.grpo", "select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
+    ("dancegrpo.grpo", "wants_rollout_outputs", ("update",)),
+    ("dancegrpo.memory", "ActivationMeter", None),
+    ("dancegrpo.metrics", "PassCounter", None),
+    ("dancegrpo.metrics", "first_tensor", ("output",)),
+    ("dancegrpo.plots", "moving_average", ("values", "window")),
+    ("dancegrpo.plots", "plot_mean_spread", ("path", "panels", "title")),
+    ("dancegrpo.plots", "plot_reward_curves", ("path", "curves")),
+    ("dancegrpo.trainer", "PreparedUpdate", None),
+    ("dancegrpo.trainer", "accumulate_policy_gradient", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",
+                                                         "normaliser", "policy_update", "on_policy")),
+    ("dancegrpo.trainer", "make_update_batch", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",
+                                                "normaliser", "on_policy")),
+    ("dancegrpo.trainer", "optimizer_step", ("ctx", "where")),
+    ("dancegrpo.trainer", "prepare_update", ("ctx", "select_train_steps", "keep_outputs", "step")),
+    ("dancegrpo.trainer", "sample_reference_model", ("ctx", "cond", "captions", "generator", "keep_outputs")),
+    ("dancegrpo.trainer", "setup", ("args", "family", "plan")),
+    ("dancegrpo.trainer", "step_generators", ("ctx", "step")),
+    ("dancegrpo.trainer", "train_selection", ("ctx", "rollout", "host_gen", "select_train_steps")),
+)
+PREPARED_UPDATE_FIELDS = ("cond", "captions", "rollout", "advantages", "selection", "normaliser", "selection_rng")
 # The trainer keeps the rollout's model outputs (UpdateBatch.rollout_output) for a policy_update
 # whose attribute says it reads them; dancegrpo's own policy_update declares False.
 POLICY_UPDATE_ATTRIBUTES = ("uses_rollout_outputs",)
@@ -43,7 +79,7 @@ def _check_fields(cls, expected):
     names = set(getattr(cls, "__dataclass_fields__", {}))
     missing = [f for f in expected if f not in names]
     if missing:
-        raise SeamError(f"dancegrpo.grpo.{cls.__name__} lacks fields {missing} that jagg_patch uses")
+        raise SeamError(f"{cls.__module__}.{cls.__name__} lacks fields {missing} that jagg_patch uses")
 
 
 def check_seams(module):
@@ -67,7 +103,21 @@ def check_seams(module):
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
     _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)
+    check_uses()
     return module
+
+
+def check_uses():
+    """Every name of DANCEGRPO_USES is there, with the expected parameters."""
+    for module_name, name, params in DANCEGRPO_USES:
+        obj = getattr(importlib.import_module(module_name), name, None)
+        if obj is None:
+            raise SeamError(f"{module_name} has no {name!r}; jagg_patch uses it (see jagg_patch.seams.DANCEGRPO_USES)")
+        if params is not None and _param_names(obj) != params:
+            raise SeamError(f"{module_name}.{name} takes {_param_names(obj)}, jagg_patch expects {params} "
+                            "(see jagg_patch.seams.DANCEGRPO_USES)")
+    from dancegrpo.trainer import PreparedUpdate
+    _check_fields(PreparedUpdate, PREPARED_UPDATE_FIELDS)
 
 
 # ---------------------------------------------------------------- upstream DanceGRPO checkouts

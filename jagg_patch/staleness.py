@@ -31,16 +31,11 @@ def _weights(ctx):
 def measure(module, args):
     from dancegrpo import trainer
     ctx = trainer.setup(args, module.FAMILY(args))
-    cond, captions = trainer.expand_groups(args, next(ctx.loader))
-    cond = {k: v.to(ctx.device) for k, v in cond.items()}
-    noise_gen, host_gen = trainer.step_generators(ctx, 1)
-    rollout = trainer.sample_reference_model(ctx, cond, captions, noise_gen, keep_outputs=True)
-    adv = trainer.compute_advantages(ctx, rollout.rewards, rollout.rewards, host_gen)
+    prepared = trainer.prepare_update(ctx, module.select_train_steps, keep_outputs=True, step=1)
+    rollout, cond, adv = prepared.rollout, prepared.cond, prepared.advantages
     kw = jagg_kwargs(args)
-    selection = module.select_train_steps(adv.numel(), rollout.log_probs.shape[1] - 1, args.timestep_fraction,
-                                          host_gen)
-    steps, idx = selection.steps.to(ctx.device), torch.arange(adv.numel(), device=ctx.device)
-    normaliser = args.gradient_accumulation_steps * selection.num_train
+    steps, idx = prepared.selection.steps, torch.arange(adv.numel(), device=ctx.device)
+    normaliser = prepared.normaliser
 
     def gradient(reuse, on_policy):
         ctx.optimizer.zero_grad(set_to_none=True)

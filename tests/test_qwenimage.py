@@ -150,7 +150,11 @@ def test_update_gradient_matches_float64_reference(preset_cache, tmp_path):
             ctx.raw_transformer.zero_grad(set_to_none=True)
 
     ctx.optimizer = Capture()
-    stats, norms, n_train = trainer.update_policy(ctx, rollout, cond, adv, host_gen, tq.policy_update, spy_selection)
+    selection = trainer.train_selection(ctx, rollout, host_gen, spy_selection)
+    prepared = trainer.PreparedUpdate(cond, captions, rollout, rollout.rewards, adv, selection,
+                                      args.gradient_accumulation_steps * selection.num_train, None)
+    stats, norms = trainer.update_policy(ctx, prepared, tq.policy_update)
+    n_train = selection.num_train
     assert len(norms) == 1 and n_train == 3 and stats.backward_calls == 2 * 3  # 2 micro-batches x 3 steps
 
     ref = copy.deepcopy(ctx.raw_transformer).double()
