@@ -18,13 +18,13 @@
 # NPROC, NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT, TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 MODULE="dancegrpo.train_grpo_flux"
-# ALGO=flow_grpo_fast: Flow-GRPO-Fast's FLUX config (../shared/FLOWGRPO.md): 6 steps, a window of
+# ALGO=flow_grpo_fast: Flow-GRPO-Fast's FLUX config: 6 steps, a window of
 # 3 drawn in (0, 3), the cps kernel at 0.8, clip 1e-5, Flow-GRPO's advantage; LoRA r 64 / alpha 128.
 FAST_RECIPE=(--sampling_steps "${SAMPLING_STEPS:-6}" --sde_window_size "${SDE_WINDOW_SIZE:-3}"
              --sde_window_range 0 3 --sde_type cps --eta "${ETA:-0.8}" --clip_range "${CLIP_RANGE:-1e-5}"
              --advantage flow_grpo)
 [[ "${ALGO:-}" != flow_grpo_fast ]] || : "${LORA_RANK:=64}" "${LORA_ALPHA:=128}"
-if [[ "${LORA:-0}" == 1 ]]; then   # upstream's scripts/finetune LoRA recipe (../shared/DANCEGRPO.md)
+if [[ "${LORA:-0}" == 1 ]]; then   # upstream's scripts/finetune LoRA recipe
   MODULE="dancegrpo.train_grpo_flux_lora"
   : "${LEARNING_RATE:=3e-4}" "${SAMPLING_STEPS:=12}" "${TRAIN_BATCH_SIZE:=2}" "${GRADIENT_ACCUMULATION_STEPS:=12}"
   NO_EMA=1   # upstream's LoRA trainer keeps no EMA
@@ -39,7 +39,7 @@ CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
 # RECIPE: 8gpu (default, upstream's finetune_flux_grpo_8gpus.sh) or 16gpu (upstream's 2x8-GPU
 # finetune_flux_grpo.sh, which its README recommends "for better convergence"); the table in
-# ../shared/DANCEGRPO.md. Environment variables still win.
+# README. Environment variables still win.
 case "${RECIPE:-8gpu}" in
   8gpu)
     EMA_FLAGS=(--use_ema --ema_decay "${EMA_DECAY:-0.995}")

@@ -15,7 +15,7 @@
 # TORCHRUN_ARGS: see scripts/launch.sh.
 set -euo pipefail
 # RECIPE: upstream (default, DanceGRPO's Qwen-Image recipe) or the first JAGG author's scripts
-# (SchumiDing/eff_grpo, Qwen-Image, 8 GPUs; ../shared/JAGG.md). Their values become the defaults
+# (SchumiDing/eff_grpo, Qwen-Image, 8 GPUs). Their values become the defaults
 # below; environment variables still win.
 RUN_SUFFIX=""
 case "${RECIPE:-upstream}" in
@@ -26,7 +26,7 @@ case "${RECIPE:-upstream}" in
     : "${CHECKPOINTING_STEPS:=25}" "${MAX_GRAD_NORM:=10.0}" "${CLIP_RANGE:=0.1}" "${SAMPLER_SEED:=12627}"
     # Their flag is --selective_checkpointing 0.0. Here 0.0 recomputes no block; upstream's Qwen
     # trainer, which theirs forks, checkpoints every block whatever the flag says
-    # (../shared/DANCEGRPO.md): SELECTIVE_CHECKPOINTING=1.0 gives that memory / speed profile.
+    # (upstream's): SELECTIVE_CHECKPOINTING=1.0 gives that memory / speed profile.
     : "${SELECTIVE_CHECKPOINTING:=0.0}"
     if [[ "${RECIPE}" == authors_standard ]]; then
       : "${SAMPLING_STEPS:=20}" "${NUM_GENERATIONS:=8}"
@@ -38,7 +38,7 @@ case "${RECIPE:-upstream}" in
   *) echo "error: RECIPE must be upstream, authors_standard or authors_jagg, got '${RECIPE}'" >&2; exit 2 ;;
 esac
 MODULE="dancegrpo.train_grpo_qwenimage"
-# ALGO=flow_grpo_fast: Flow-GRPO-Fast's Qwen-Image config (../shared/FLOWGRPO.md): 10 steps, a
+# ALGO=flow_grpo_fast: Flow-GRPO-Fast's Qwen-Image config: 10 steps, a
 # window of 2 drawn in (0, 5), Flow-GRPO's sde kernel at 1.2, clip 1e-4, Flow-GRPO's advantage;
 # LoRA r 64 / alpha 128. Upstream's fixed (3, 5) window (a reseeding bug) is not reproduced.
 FAST_RECIPE=(--sampling_steps "${SAMPLING_STEPS:-10}" --sde_window_size "${SDE_WINDOW_SIZE:-2}"
@@ -54,7 +54,7 @@ DATA_JSON="${DATA_JSON:-data/qwenimage_rl_embeddings/videos2caption.json}"
 OUTPUT_DIR="${OUTPUT_DIR:-data/outputs/grpo_qwenimage${RUN_SUFFIX}}"
 CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
-# Upstream's Qwen-Image recipe (../shared/DANCEGRPO.md, the table); shared flags: scripts/launch.sh.
+# Upstream's Qwen-Image recipe (README, Training with real weights on GPUs); shared flags: scripts/launch.sh.
 MODEL_RECIPE=(
   --vae_model_path "${VAE_MODEL_PATH:-$MODEL_PATH}"
   --selective_checkpointing "${SELECTIVE_CHECKPOINTING:-0.5}"

@@ -186,7 +186,7 @@ def parse_args(parser, argv=None):
 
 def add_flow_grpo_args(p):
     from .sde_kernels import SDE_TYPES
-    g = p.add_argument_group("Flow-GRPO / Flow-GRPO-Fast (this project; ../shared/FLOWGRPO.md)")
+    g = p.add_argument_group("Flow-GRPO / Flow-GRPO-Fast (this project; README, Flow-GRPO-Fast)")
     g.add_argument("--sde_type", choices=SDE_TYPES, default="dance",
                    help="Transition kernel; --eta is its noise level a. dance: DanceGRPO's flux_step; flow_grpo: "
                         "Flow-GRPO's sde (g = a sqrt(sigma / (1 - sigma))); cps: the coefficient-preserving kernel "

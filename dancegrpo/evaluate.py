@@ -27,7 +27,6 @@ metric), <label>/summary.json, <label>/grid.png (rows = prompts, columns = image
 table.md / comparison.json over all checkpoints; the markdown table is also printed.
 """
 import argparse
-import contextlib
 import csv
 import importlib
 import json
@@ -42,6 +41,8 @@ import torch
 from . import presets
 from .errors import NonFiniteError
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
+from .models.base import compute_autocast
+from .samples import tile
 from .sde import flux_step, model_timesteps, sigma_schedule
 
 # family -> (module, family class, transformer class, VAE class); families import lazily.
@@ -83,6 +84,8 @@ def build_parser():
     p.add_argument("--shift", type=float, default=None, help="Time shift (default 3 or the preset's).")
     p.add_argument("--guidance", type=float, default=3.5, help="Distilled guidance (Flux-dev).")
     p.add_argument("--sde", action="store_true", help="Sample with the SDE (noise --eta) instead of the ODE.")
+    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="bf16",
+                   help="The transformer's autocast on GPU, as the trainer's flag; CPU runs in float32.")
     p.add_argument("--eta", type=float, default=None, help="SDE noise level (with --sde).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=4, help="Images per transformer call and reward call.")
@@ -262,12 +265,6 @@ def sample_seed(seed, prompt_index, image_index):
 
 
 # ------------------------------------------------------------------ generation and scoring
-def autocast(device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
 @torch.no_grad()
 def generate(args, family, transformer, vae, cond, seeds, device):
     """Images for one batch: cond rows and per-image seeds. ODE by default, SDE with --sde."""
@@ -278,7 +275,7 @@ def generate(args, family, transformer, vae, cond, seeds, device):
     x0 = None
     for i in range(args.sampling_steps):
         t = timesteps[i].expand(z.shape[0]).to(device)
-        with autocast(device):
+        with compute_autocast(device, args.mixed_precision):
             v = family.predict(transformer, z.to(transformer.dtype), t, cond)
         mean, x0 = flux_step(v.float(), z, args.eta, sigmas, i, grpo=False, sde_solver=args.sde)
         if args.sde:
@@ -288,18 +285,6 @@ def generate(args, family, transformer, vae, cond, seeds, device):
         else:
             z = mean  # Euler step of the probability-flow ODE: x + dsigma * v
     return family.decode(vae, x0)
-
-
-def make_grid(images, rows, cols, tile):
-    from PIL import Image
-    w, h = images[0].size
-    scale = min(1.0, tile / max(w, h))
-    tw, th = max(1, round(w * scale)), max(1, round(h * scale))
-    grid = Image.new("RGB", (cols * tw, rows * th), "white")
-    for n, im in enumerate(images[:rows * cols]):
-        grid.paste(im.convert("RGB").resize((tw, th)) if scale < 1 else im.convert("RGB"),
-                   ((n % cols) * tw, (n // cols) * th))
-    return grid
 
 
 def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label, path, device):
@@ -337,8 +322,7 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
-    grid_rows = min(len(prompt_ids), args.grid_max_prompts)
-    make_grid(grid_images, grid_rows, args.num_images_per_prompt, args.grid_tile).save(
+    tile(grid_images, args.num_images_per_prompt, max_side=args.grid_tile, background="white").save(
         os.path.join(out_dir, "grid.png"))
     metrics = {}
     for n in names:

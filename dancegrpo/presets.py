@@ -86,7 +86,7 @@ _FLUX_VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBl
                  shift_factor=0.1159, use_quant_conv=False, use_post_quant_conv=False)
 
 # Defaults shared by the tiny presets: the recipe measured to learn on 2 CPU cores
-# (../shared/ENVIRONMENT.md): 8 prompts x 16 generations, ONE optimizer step per training step.
+# on these CPUs: 8 prompts x 16 generations, ONE optimizer step per training step.
 _QWEN_VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
                  temperal_downsample=[False, True, True])
 

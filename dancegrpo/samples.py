@@ -6,6 +6,8 @@ import os
 import torch
 from PIL import Image
 
+from .sde import flux_step
+
 COLUMNS = 4
 MAX_ROWS = 10
 SEED = 1234
@@ -37,17 +39,21 @@ def sample_latents(family, predict, sigmas, timesteps, cond, columns=COLUMNS, se
     x0 = z
     for i in range(sigmas.numel() - 1):
         v = predict(z, timesteps[i].expand(z.shape[0]).to(device), cond)
-        x0 = z - sigmas[i] * v
-        z = z + (sigmas[i + 1] - sigmas[i]) * v
+        z, x0 = flux_step(v, z, 0.0, sigmas, i, grpo=False, sde_solver=False)   # Euler, and x0_hat
     return x0.float()
 
 
-def tile(images, columns=COLUMNS):
+def tile(images, columns=COLUMNS, max_side=None, background="black"):
+    """Images row-major on a grid of `columns`; each scaled down to `max_side` px on its longest
+    side when it is larger."""
     w, h = images[0].size
+    scale = min(1.0, max_side / max(w, h)) if max_side else 1.0
+    tw, th = max(1, round(w * scale)), max(1, round(h * scale))
     rows = (len(images) + columns - 1) // columns
-    grid = Image.new("RGB", (columns * w, rows * h))
+    grid = Image.new("RGB", (columns * tw, rows * th), background)
     for i, im in enumerate(images):
-        grid.paste(im, ((i % columns) * w, (i // columns) * h))
+        im = im.convert("RGB")
+        grid.paste(im.resize((tw, th)) if scale < 1 else im, ((i % columns) * tw, (i // columns) * th))
     return grid
 
 

@@ -1,4 +1,4 @@
-"""The rollout's transition kernels, chosen by --sde_type (../shared/FLOWGRPO.md section 1).
+"""The rollout's transition kernels, chosen by --sde_type (Flow-GRPO's and DanceGRPO's).
 
 Every kernel maps (model output v, state x, transition k, noise level a) to a Gaussian
 N(mean, std^2) over the next state; the rollout draws from it and training re-scores the stored
@@ -99,6 +99,6 @@ def per_transition(index, step):
 
 
 def ode_transition(v, x, sigmas, index):
-    """Deterministic Euler, x' = x + v (sigma' - sigma): the steps outside a Flow-GRPO-Fast window."""
-    sigma, sigma_next = _sigmas_at(sigmas, index, at_least_fp32(x))
-    return at_least_fp32(x) + at_least_fp32(v) * (sigma_next - sigma)
+    """Deterministic Euler, x' = x + (sigma' - sigma) v: the steps outside a Flow-GRPO-Fast window
+    (flux_step without the SDE, as the sample grids and evaluation sample)."""
+    return flux_step(at_least_fp32(v), at_least_fp32(x), 0.0, sigmas, index, grpo=False, sde_solver=False)[0]

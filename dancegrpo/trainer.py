@@ -6,7 +6,6 @@ reading both side by side. Model specifics live in `dancegrpo.models`; the
 per-sample policy update is the seam `dancegrpo.grpo.policy_update`, which the
 trainer modules pass in by name so it can be patched at run time.
 """
-import contextlib
 import os
 import time
 import uuid
@@ -29,6 +28,7 @@ from .grpo import (UpdateBatch, UpdateStats, flow_grpo_advantages, global_advant
                    wants_rollout_outputs, window_train_steps)
 from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
+from .models.base import compute_autocast
 from .plots import moving_average, plot_reward_curves
 from .reference import Reference, frozen_copy
 from .rewards import WeightedReward
@@ -82,12 +82,9 @@ class TrainContext:
 
 
 def autocast(args, device):
-    """bf16 autocast on GPU, as upstream; CPU runs stay float32 (bf16 gives no speedup there).
-    Under FSDP with bf16 MixedPrecision (Qwen-Image on GPU) the parameters are bf16 as well."""
-    if device.type == "cuda" and args.mixed_precision != "no":
-        dtype = torch.float16 if args.mixed_precision == "fp16" else torch.bfloat16
-        return torch.autocast("cuda", dtype=dtype)
-    return contextlib.nullcontext()
+    """--mixed_precision's autocast (models.base.compute_autocast). Under FSDP with bf16
+    MixedPrecision (Qwen-Image on GPU) the parameters are bf16 as well."""
+    return compute_autocast(device, args.mixed_precision)
 
 
 def step_generators(ctx, step):
@@ -500,7 +497,6 @@ def setup(args, family, plan=None):
                        rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step)
     ctx.extra["resumed_from"] = resume
     ctx.extra["dataset"] = dataset
-    ctx.extra["num_prompts"] = len(dataset)
     ctx.extra["num_params"] = num_params
     ctx.extra["num_trainable"] = num_trainable
     ctx.extra["weights_format"] = weights_format
@@ -561,7 +557,8 @@ def describe(ctx):
     args = ctx.args
     n_params = ctx.extra["num_params"]
     samples = args.train_batch_size * (args.num_generations if args.use_group else 1)
-    n_train = num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
+    # Under --sde_window_size each sample trains its window, whatever the fraction.
+    n_train = args.sde_window_size or num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
     precision, weight_type = "", "fp32"
     if ctx.world_size > 1:
         weight_type = resolve_weight_type(args.master_weight_type, ctx.family.gpu_fsdp_weight_type, ctx.device)

@@ -1,7 +1,8 @@
 """JAGG for dancegrpo: a switchable run-time patch of the policy-update seam.
 
     from jagg_patch import apply_jagg, revert_jagg
-    apply_jagg(window=4, jagg_frac=0.6)   # every trainer in dancegrpo.TRAINERS: the paper's variant
+    apply_jagg(window=4, jagg_frac=0.6)   # every trainer in dancegrpo.TRAINERS: the paper's grouping, alpha
+                                          # and joint backward, with (exact) on-policy rollout reuse
     apply_jagg(window=4, jagg_frac=1.0, grouping="window", alpha="index", backward="split")  # the authors' code
     ...
     revert_jagg()

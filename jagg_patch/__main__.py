@@ -17,7 +17,9 @@ Group Gradient): in the first jagg_frac of each sample's groups of W
 transitions (highest noise) only the two endpoints are backpropagated, with the middle
 members' loss gradients interpolated onto them. JAGG flags (see TRAINER_MODULE --help):
   --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
-  --jagg_grouping trained|window  --jagg_alpha timestep|index  --jagg_backward joint|split
+  --jagg_grouping trained|window  --jagg_alpha timestep|index
+  --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
+  --jagg_reuse_rollout off|on_policy|always (on_policy)
 TRAINER_MODULE: one of TRAINERS. The defaults are the paper's variant; the authors' code is
   --jagg_grouping window --jagg_alpha index --jagg_backward split --jagg_frac 1
 Example: python -m jagg_patch dancegrpo.train_grpo_flux --preset tiny --output_dir out --jagg_window 4

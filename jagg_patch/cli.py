@@ -81,7 +81,9 @@ def add_jagg_args(parser):
                    help="joint: one autograd.backward through both endpoint graphs (the paper; under FSDP one "
                         "all-gather and one reduce-scatter per unit per group); split: each endpoint's forward "
                         "and backward in turn, one graph alive at a time (the authors' code; same gradient, half "
-                        "the activations); auto: joint on several ranks, split on one.")
+                        "the activations); batched: both endpoints in ONE forward (the micro-batch stacked twice) "
+                        "and one backward of that graph (under FSDP each unit is gathered once for the forward and "
+                        "once for the backward, one unit at a time); auto: batched on several ranks, split on one.")
     g.add_argument("--jagg_reuse_rollout", choices=REUSE_MODES, default="on_policy",
                    help="Middle members of a JAGG group take the model output the rollout computed instead of "
                         "a no-grad forward. on_policy: only before the step's first optimizer step, where it is "

@@ -1,4 +1,4 @@
-"""JAGG: Jacobian-Aggregated Group Gradient (see ../shared/JAGG.md for the method).
+"""JAGG: Jacobian-Aggregated Group Gradient (arXiv 2607.17572; README, JAGG).
 
 Model-agnostic pieces: the interpolation weights, the backward of one group of
 W consecutive trained transitions, and the plan that routes groups to JAGG or

@@ -23,9 +23,6 @@ from dataclasses import dataclass
 
 from .core import group_cost, num_trained_windows, plan_groups, plan_windows
 
-SCHEDULES = ("project", "authors", "reuse")
-
-
 def group_passes(group, mode="jagg", schedule="project"):
     """(grad forwards, no-grad forwards, backwards) of one group of one sample."""
     f_grad, f_nograd, backwards = group_cost(group, mode, reused=schedule == "reuse")

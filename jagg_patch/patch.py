@@ -114,7 +114,11 @@ def _trainer_modules(trainer_module):
 def apply_jagg(trainer_module=None, *, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
                grouping="trained", reuse="on_policy"):
     """Patch the update seams of one trainer module (object or name) or, by default, of every
-    trainer in dancegrpo.TRAINERS. Applying again only changes the configuration."""
+    trainer in dancegrpo.TRAINERS. Applying again only changes the configuration.
+
+    The defaults are the paper's grouping, alpha and joint backward, plus on-policy rollout reuse
+    (exact: the same gradient). The command line's --jagg_backward defaults to auto instead (the
+    cheapest form for the run's world size: see jagg_patch.core.resolve_backward)."""
     replacements = {"policy_update": make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse)}
     if grouping == "window":
         replacements["select_train_steps"] = make_window_selection(window)

@@ -7,7 +7,7 @@
 # vanilla and JAGG runs differ in nothing but the launcher module.
 set -euo pipefail
 
-# Upstream's settings common to both recipes (../shared/DANCEGRPO.md, "Common").
+# Upstream's settings common to both recipes (README, Training with real weights on GPUs).
 COMMON_RECIPE=(
   --seed "${SEED:-42}"
   --gradient_checkpointing
@@ -42,7 +42,7 @@ JAGG_FRAC="${JAGG_FRAC:-0.6}"
 JAGG_MODE="${JAGG_MODE:-jagg}"
 JAGG_GROUPING="${JAGG_GROUPING:-trained}"   # trained (the paper) | window (the authors' code)
 JAGG_ALPHA="${JAGG_ALPHA:-timestep}"        # timestep (the paper) | index (the authors' code)
-JAGG_BACKWARD="${JAGG_BACKWARD:-auto}"      # joint (the paper) | split (the authors' code) | auto (joint on >1 rank)
+JAGG_BACKWARD="${JAGG_BACKWARD:-auto}"      # auto: batched on several ranks, split on one | joint (the paper) | split (the authors' code) | batched
 JAGG_REUSE_ROLLOUT="${JAGG_REUSE_ROLLOUT:-on_policy}"  # off | on_policy (exact) | always (stale after a step)
 # With JAGG=1, the module that takes "TRAINER --jagg_* flags ...": jagg_patch (training), or the
 # benchmarks' jagg_patch.bench_update / jagg_patch.fidelity, which so run with the same recipe.

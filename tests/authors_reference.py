@@ -1,4 +1,4 @@
-"""The first JAGG author's pass schedule for one window, written out from ../shared/JAGG.md
+"""The first JAGG author's pass schedule for one window, written out from its description
 ("The authors' public code") without any jagg_patch code: W forwards without grad for the
 upstream gradients (endpoints included), index weights j / (W-1), then for each endpoint
 separately a forward WITH grad followed at once by its own backward."""

@@ -33,9 +33,6 @@ def make_args(cache_dir, tmp_path):
     return make
 
 
-# Small, fast geometry on the tiny models: 2 prompts x 4 generations, one optimizer step.
-FAST = ["--train_batch_size", 2, "--num_generations", 4, "--gradient_accumulation_steps", 8,
-        "--sample_batch_size", 8, "--update_batch_size", 4]
 
 
 @pytest.fixture(scope="session")

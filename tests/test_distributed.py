@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import FAST
+from helpers import FAST
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "dist", "fsdp_grad_check.py")
 

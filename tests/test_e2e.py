@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from dancegrpo import train_grpo_flux
 from dancegrpo.errors import ConfigError, MissingFileError
 
-from conftest import FAST
+from helpers import FAST
 
 KEYS = ["step", "reward_mean", "reward_std", "loss", "grad_norm", "lr", "step_time_s", "rollout_time_s",
         "update_time_s", "transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards"]

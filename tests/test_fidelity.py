@@ -6,14 +6,14 @@ import pytest
 
 from jagg_patch.fidelity import main
 
-FAST = ["--train_batch_size", "1", "--num_generations", "4", "--gradient_accumulation_steps", "4",
+GEOMETRY = ["--train_batch_size", "1", "--num_generations", "4", "--gradient_accumulation_steps", "4",
         "--sample_batch_size", "4", "--update_batch_size", "4", "--diag_samples", "4", "--fid_rollouts", "2"]
 
 
 def run(cache_dir, tmp_path, window, capsys):
     out = tmp_path / f"w{window}"
     result = main(["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
-                   "--output_dir", str(tmp_path / "run"), *FAST, "--jagg_window", str(window),
+                   "--output_dir", str(tmp_path / "run"), *GEOMETRY, "--jagg_window", str(window),
                    "--fid_out", str(out)])
     return result, capsys.readouterr().out, out
 

@@ -1,4 +1,4 @@
-"""Flow-GRPO-Fast on the shared core (issue 15): the step kernels against float64 densities
+"""Flow-GRPO-Fast on the shared core: the step kernels against float64 densities
 written out here, the windowed sampler, Flow-GRPO's advantages, the KL term, JAGG over the window."""
 import math
 
@@ -9,7 +9,7 @@ from dancegrpo import grpo, trainer
 from dancegrpo.sde import sigma_schedule
 from dancegrpo.sde_kernels import SDE_TYPES, ode_transition, sde_transition
 
-from conftest import FAST
+from helpers import FAST
 
 SIGMAS = sigma_schedule(6, 3.0).double()
 
@@ -138,6 +138,11 @@ def test_rollout_records_the_window_and_scores_only_it(make_args):
     assert (ro.log_probs[:, 2:4] != 0).all() and (ro.log_probs[:, :2] == 0).all() and (ro.log_probs[:, 4:] == 0).all()
 
 
+def test_the_banner_counts_the_windows_transitions(make_args):
+    _, ctx, _ = rollout_of(make_args, "--sde_window_size", "2", "--sde_window_range", "2", "4")
+    assert "2 trained transitions/sample" in trainer.describe(ctx)   # not int(7 x 0.6) = 4
+
+
 def test_window_draws_vary_over_steps_and_are_seeded(make_args):
     window = ["--sde_window_size", "2", "--sde_window_range", "0", "7", "--sample_batch_size", "2"]
     starts = [rollout_of(make_args, *window, step=s)[0].window_start.tolist() for s in (1, 2, 3)]
@@ -213,7 +218,7 @@ def test_only_window_transitions_are_trained(make_args, sde_type, window):
 def test_kl_gradient_against_float64_reference(make_args):
     """Policy = base + a perturbation; reference = the frozen base copy. The gradient of PPO + beta KL
     against upstream's per-step loss written out plus beta mean((mu - mu_ref)^2) / (2 std^2)."""
-    from test_update_loop import float64_setup, reference_loss, reference_step_velocity
+    from helpers import float64_setup, reference_loss, reference_step_velocity
     beta = 0.3
     args, ctx, cond, rollout, adv = float64_setup(make_args, 3, "--kl_beta", str(beta))
     ref_model = ctx.extra["reference"].model.double()
@@ -256,7 +261,7 @@ def test_kl_gradient_against_float64_reference(make_args):
 def test_kl_at_the_reference_changes_nothing(make_args):
     """Policy == reference: the KL term and its gradient are exactly 0, so beta > 0 gives exactly
     the plain loss and gradient."""
-    from test_update_loop import float64_setup
+    from helpers import float64_setup
 
     def grads(*extra):
         args, ctx, cond, rollout, adv = float64_setup(make_args, 3, *extra)

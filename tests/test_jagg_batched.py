@@ -8,8 +8,7 @@ from jagg_patch import jagg_group_backward, make_policy_update
 from jagg_patch.core import resolve_backward
 from jagg_toy import NonlinearVelocity, Problem, endpoints_reference, flat_grad, jagg_reference, rel_err
 
-from test_jagg_reuse import keep_rollout_outputs
-from test_update_loop import float64_setup
+from helpers import float64_setup, keep_rollout_outputs
 
 T_PER_SAMPLE = [[0.95, 0.9, 0.97], [0.9, 0.8, 0.93], [0.8, 0.75, 0.85], [0.7, 0.6, 0.72]]
 

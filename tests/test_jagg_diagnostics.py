@@ -4,12 +4,12 @@ import pytest
 import dancegrpo.train_grpo_flux as flux
 from jagg_patch.diagnostics import format_table, run_diagnostics
 
-FAST = ["--train_batch_size", 1, "--num_generations", 4, "--gradient_accumulation_steps", 4,
+GEOMETRY = ["--train_batch_size", 1, "--num_generations", 4, "--gradient_accumulation_steps", 4,
         "--sample_batch_size", 4, "--update_batch_size", 4, "--timestep_fraction", 1.0]
 
 
 def diag_args(make_args, window, grouping="trained"):
-    args = make_args(*FAST)
+    args = make_args(*GEOMETRY)
     args.jagg_window, args.jagg_frac, args.jagg_mode = window, 1.0, "jagg"
     args.jagg_grouping, args.jagg_alpha = grouping, "timestep"
     args.diag_samples, args.diag_warmup_steps = 4, 0

@@ -6,9 +6,10 @@ import sys
 
 import pytest
 
+import helpers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST = ["--train_batch_size", "2", "--num_generations", "4", "--gradient_accumulation_steps", "8",
-        "--sample_batch_size", "8", "--update_batch_size", "4"]
+FAST = [str(a) for a in helpers.FAST]
 
 
 def run(cmd, timeout=240):
@@ -131,3 +132,22 @@ def test_launch_window_split_tiny(cache_dir, tmp_path):
     (record,) = metrics(tmp_path)
     assert record["transformer_backwards"] == 8 * 4 and record["jagg_groups"] == 16
     assert record["activation_peak_mb"] > 0
+
+
+def test_every_description_of_backward_auto_says_what_resolve_backward_does():
+    import argparse
+    import re
+
+    import jagg_patch.__main__ as launcher
+    import jagg_patch.upstream.__main__ as upstream_launcher
+    from jagg_patch.cli import add_jagg_args
+    from jagg_patch.core import resolve_backward
+    parser = add_jagg_args(argparse.ArgumentParser())
+    (action,) = [a for a in parser._actions if "--jagg_backward" in a.option_strings]
+    with open(os.path.join(ROOT, "scripts", "launch.sh")) as f:
+        script = f.read()
+    expected = [(resolve_backward("auto", 2), resolve_backward("auto", 1))]
+    for where, text in (("--jagg_backward help", action.help), ("python -m jagg_patch usage", launcher.USAGE),
+                        ("python -m jagg_patch.upstream usage", upstream_launcher.USAGE),
+                        ("scripts/launch.sh", script)):
+        assert re.findall(r"auto: (\w+) on several ranks, (\w+) on one", " ".join(text.split())) == expected, where

@@ -11,10 +11,8 @@ import dancegrpo.train_grpo_flux as flux
 from dancegrpo import trainer
 from jagg_patch import SeamError, apply_jagg, check_seams, is_patched, jagg_group_backward, revert_jagg
 
-# 2 prompts x 4 generations, one optimizer step, micro-batches of 4: S=8, fraction 0.6 -> 4 trained
-# transitions per sample.
-FAST = ["--train_batch_size", 2, "--num_generations", 4, "--gradient_accumulation_steps", 8,
-        "--sample_batch_size", 8, "--update_batch_size", 4]
+from helpers import FAST, captured_step
+
 # captured_step replaces optimizer.step to read the gradients; the scheduler notices.
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 
@@ -23,19 +21,6 @@ pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)
 def always_reverted():
     yield
     revert_jagg()
-
-
-def captured_step(make_args, *argv):
-    """One train_one_step through the trainer module's seam; grads captured at the optimizer step."""
-    args = make_args(*FAST, *argv)
-    ctx = trainer.setup(args, flux.FAMILY(args))
-    grads = []
-    ctx.optimizer.step = lambda *a, **k: grads.append(
-        [p.grad.detach().clone() for p in ctx.raw_transformer.parameters()])
-    ctx.step = 1
-    record = flux.train_one_step(ctx)
-    ctx.counter.remove()
-    return record, grads
 
 
 def assert_grads_close(got, ref, rtol=1e-4):
@@ -101,11 +86,11 @@ def test_apply_rejects_bad_config_without_patching():
 
 
 def test_vanilla_after_revert_equals_never_patched(make_args):
-    never_record, never = captured_step(make_args)
+    never_record, never, _ = captured_step(make_args)
     apply_jagg(flux, window=4, jagg_frac=1.0)
-    _, jagg = captured_step(make_args)
+    _, jagg, _ = captured_step(make_args)
     revert_jagg(flux)
-    record, after = captured_step(make_args)
+    record, after, _ = captured_step(make_args)
     for a, b in zip(after[0], never[0]):
         assert torch.equal(a, b)
     assert record["transformer_backwards"] == never_record["transformer_backwards"]
@@ -115,9 +100,9 @@ def test_vanilla_after_revert_equals_never_patched(make_args):
 # ---------------------------------------------------------------- exact reproduction and counts
 
 def test_exact_mode_reproduces_vanilla(make_args):
-    vanilla_record, vanilla = captured_step(make_args)
+    vanilla_record, vanilla, _ = captured_step(make_args)
     apply_jagg(flux, window=4, jagg_frac=1.0, mode="exact")
-    record, exact = captured_step(make_args)
+    record, exact, _ = captured_step(make_args)
     assert_grads_close(exact, vanilla)  # same transitions, only summed in another order (float32)
     assert record["loss"] == pytest.approx(vanilla_record["loss"], rel=1e-4, abs=1e-9)
     assert record["transformer_backwards"] == vanilla_record["transformer_backwards"]
@@ -125,9 +110,9 @@ def test_exact_mode_reproduces_vanilla(make_args):
 
 
 def test_window_two_reproduces_vanilla(make_args):
-    _, vanilla = captured_step(make_args)
+    _, vanilla, _ = captured_step(make_args)
     apply_jagg(flux, window=2, jagg_frac=1.0)
-    record, window2 = captured_step(make_args)
+    record, window2, _ = captured_step(make_args)
     assert record["jagg_groups"] == 2 * 8  # really routed through the JAGG code path
     assert_grads_close(window2, vanilla)
 
@@ -139,9 +124,9 @@ def test_window_two_reproduces_vanilla(make_args):
     (4, 0.0, 4, 0, 1),
 ])
 def test_step_counts(make_args, window, frac, backwards_per_sample, jagg, exact):
-    vanilla_record, _ = captured_step(make_args)
+    vanilla_record, _, _ = captured_step(make_args)
     apply_jagg(flux, window=window, jagg_frac=frac, reuse="off")  # every middle member forwarded
-    record, _ = captured_step(make_args)
+    record, _, _ = captured_step(make_args)
     samples, n = record["samples"], record["train_timesteps"]
     assert vanilla_record["transformer_backwards"] == n * samples
     assert record["transformer_backwards"] == backwards_per_sample * samples

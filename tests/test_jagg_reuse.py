@@ -15,9 +15,7 @@ from jagg_patch import SeamError, apply_jagg, check_seams, jagg_group_backward, 
 from jagg_patch.cli import add_jagg_args, jagg_plan_text
 from jagg_toy import NonlinearVelocity, Problem, flat_grad, jagg_reference, rel_err
 
-from conftest import FAST
-from test_jagg_window import captured_step
-from test_update_loop import float64_setup
+from helpers import FAST, captured_step, float64_setup, keep_rollout_outputs
 
 T = [0.95, 0.9, 0.8, 0.7]
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -70,16 +68,6 @@ def test_stale_outputs_change_the_gradient():
 
 def grads_of(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-
-
-def keep_rollout_outputs(ctx, rollout, cond):
-    """What a rollout that keeps its outputs stores: one forward over ALL samples per transition
-    (the update then runs in other micro-batches)."""
-    n = rollout.latents.shape[0]
-    with torch.no_grad():
-        rollout.outputs = torch.stack([trainer.predict_velocity(ctx, rollout.latents[:, k],
-                                                                ctx.timesteps[k].expand(n).double(), cond)
-                                       for k in range(rollout.latents.shape[1] - 1)], dim=1)
 
 
 @pytest.mark.parametrize("backward", ["joint", "split"])

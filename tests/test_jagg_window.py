@@ -7,10 +7,9 @@ import torch
 import dancegrpo.grpo as grpo
 import dancegrpo.train_grpo_flux as flux
 from authors_reference import authors_window_backward
-from conftest import FAST
 from dancegrpo import trainer
 from jagg_patch import apply_jagg, make_policy_update, make_window_selection, revert_jagg
-from test_update_loop import float64_setup, reference_loss
+from helpers import captured_step, float64_setup, grads_of, reference_loss
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 W = 3   # tiny preset: S 8 -> 7 transitions -> windows (0, 1, 2), (3, 4, 5), (6,)
@@ -20,10 +19,6 @@ W = 3   # tiny preset: S 8 -> 7 transitions -> windows (0, 1, 2), (3, 4, 5), (6,
 def always_reverted():
     yield
     revert_jagg()
-
-
-def grads_of(model):
-    return [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
 
 
 def rel(got, ref):
@@ -92,18 +87,6 @@ def test_window_index_split_equals_the_authors_schedule(make_args):
     trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), sel.steps, normaliser,
                                        make_policy_update(W, 1.0, "exact", grouping="window"))
     assert rel(got, grads_of(ctx.transformer)) > 1e-6
-
-
-def captured_step(make_args, *argv):
-    """One train_one_step through the trainer module's seams; grads captured at the optimizer step."""
-    args = make_args(*FAST, *argv)
-    ctx = trainer.setup(args, flux.FAMILY(args))
-    grads = []
-    ctx.optimizer.step = lambda *a, **k: grads.append(grads_of(ctx.raw_transformer))
-    ctx.step = 1
-    record = flux.train_one_step(ctx)
-    ctx.counter.remove()
-    return record, grads, ctx
 
 
 def test_window_counts_end_to_end(make_args, monkeypatch):

@@ -1,7 +1,6 @@
 """LoRA (--use_lora): the update's gradient on the adapter against a float64 reference that writes
 the adapter out by hand (W + alpha / r * B A, no peft), vanilla and JAGG; only the adapter trains;
 resume is bit-exact; the saved adapter loads into a diffusers pipeline with its alpha."""
-import os
 
 import pytest
 import torch
@@ -11,8 +10,7 @@ from dancegrpo import train_grpo_flux, train_grpo_qwenimage, trainer
 from dancegrpo.grpo import choose_train_steps
 from dancegrpo.models.flux import FluxFamily
 
-from conftest import FAST
-from test_update_loop import float64_setup, reference_step_loss, reference_step_velocity
+from helpers import FAST, float64_setup, reference_step_loss, reference_step_velocity
 
 LORA = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 12]   # scale alpha / r = 3
 
@@ -93,7 +91,7 @@ def test_jagg_lora_gradient_equals_float64_reference(make_args):
     trainer holds them: float64 decimals would move alpha by ~1e-7)."""
     import numpy as np
     from jagg_patch import apply_jagg, revert_jagg
-    from test_update_loop import reference_t
+    from helpers import reference_t
     args, ctx, cond, rollout, adv = setup_with_random_b(make_args)
     n = adv.numel()
     steps = choose_train_steps(n, args.sampling_steps - 1, 4, torch.Generator().manual_seed(1))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import dancegrpo.train_grpo_flux as flux
-from conftest import FAST
+from helpers import FAST
 from dancegrpo import trainer
 from dancegrpo.memory import ActivationMeter
 

@@ -262,7 +262,7 @@ def test_tiny_preset_learns_vs_shuffled_control(preset_cache, tmp_path):
     gains = {k: (sum(v[-5:]) / 5 - sum(v[:5]) / 5) for k, v in runs.items()}
     print("gains (reward units):", gains)
     # Measured (2 cores): real +1.51 kB, JAGG +1.78 kB, control -0.10 kB (+1.71 / +0.04 before the
-    # float32 model timesteps of issue 11).
+    # float32 model timesteps).
     assert gains["real"] > 0.5 and gains["real"] > gains["ctrl"] + 0.5, (gains, std0)
     if "jagg" in gains:
         assert gains["jagg"] > 0.5 and gains["jagg"] > gains["ctrl"] + 0.5, gains

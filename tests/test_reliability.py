@@ -18,7 +18,7 @@ from dancegrpo import train_grpo_flux, train_grpo_qwenimage
 from dancegrpo.errors import ConfigError, DiskFullError, MissingFileError, NonFiniteError
 from dancegrpo.rundir import RunLock
 
-from conftest import FAST
+from helpers import FAST
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

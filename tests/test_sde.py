@@ -36,7 +36,7 @@ def test_model_timesteps_truncate_in_float32_as_upstream(steps, shift):
 
 
 def test_model_timesteps_known_upstream_values():
-    """The transitions where float32 and float64 truncation differ (../shared/DANCEGRPO.md)."""
+    """The transitions where float32 and float64 truncation differ (upstream's values)."""
     ts16 = model_timesteps(sigma_schedule(16, 3.0))
     assert [round(float(ts16[k]), 6) for k in (4, 9)] == [0.9, 0.7]
     assert round(float(model_timesteps(sigma_schedule(20, 3.0))[5]), 6) == 0.9

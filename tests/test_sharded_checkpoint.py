@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from dancegrpo import checkpoint as ckpt, train_grpo_flux
 from dancegrpo.trainer import setup
 
-from conftest import FAST
+from helpers import FAST
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHTS = "diffusion_pytorch_model.safetensors"

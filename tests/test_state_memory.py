@@ -23,7 +23,7 @@ def test_per_rank_bytes_by_hand(setup, world, weight_type, expected):
 
 
 def test_startup_line_states_the_training_state(make_args, capsys):
-    from conftest import FAST
+    from helpers import FAST
     from dancegrpo import train_grpo_flux
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--use_lora", "--lora_rank", 4, "--lora_alpha", 8))
     line = next(li for li in capsys.readouterr().out.splitlines() if li.startswith("training state:"))

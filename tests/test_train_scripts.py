@@ -14,7 +14,7 @@ COMMON = dict(train_batch_size=2, gradient_accumulation_steps=12, learning_rate=
               num_generations=12, shift=3.0, timestep_fraction=0.6, clip_range=1e-4, adv_clip_max=5.0, seed=42,
               use_group=True, init_same_noise=True, gradient_checkpointing=True, mixed_precision="bf16",
               weight_decay=1e-4, lr_warmup_steps=0)
-# Upstream's recipes (../shared/DANCEGRPO.md, the table): Flux 8-GPU, Qwen-Image.
+# Upstream's recipes (README, the table): Flux 8-GPU, Qwen-Image.
 SCRIPTS = {
     "flux": ("train_flux.sh", "dancegrpo.train_grpo_flux", "black-forest-labs/FLUX.1-dev",
              dict(COMMON, sampling_steps=16, checkpointing_steps=40, max_grad_norm=0.01, use_ema=True,
@@ -141,7 +141,7 @@ def test_jagg_variant_env_vars(tmp_path):
                      "--jagg_alpha": "index", "--jagg_backward": "split", "--jagg_reuse_rollout": "on_policy"}
 
 
-# The first JAGG author's Qwen-Image scripts (../shared/JAGG.md; issue 9): run_standard.sh / run_jagg.sh.
+# The first JAGG author's Qwen-Image scripts: run_standard.sh / run_jagg.sh.
 AUTHORS = dict(seed=42, train_batch_size=8, gradient_accumulation_steps=8, max_train_steps=2000, learning_rate=1e-5,
                mixed_precision="bf16", checkpointing_steps=25, allow_tf32=True, h=720, w=720, eta=0.3,
                sampler_seed=12627, max_grad_norm=10.0, weight_decay=1e-4, reward_terms=[("hpsv2", 1.0)], shift=3.0,
@@ -223,7 +223,7 @@ def test_engine_env_var(tmp_path):
                        clip_range=1e-4, advantage="flow_grpo")),
 ])
 def test_flow_grpo_fast_recipes(tmp_path, model, expected):
-    """ALGO=flow_grpo_fast: Flow-GRPO-Fast's config per model (../shared/FLOWGRPO.md) on top of the
+    """ALGO=flow_grpo_fast: Flow-GRPO-Fast's config per model on top of the
     model's recipe; with LORA=1 its LoRA rank 64 / alpha 128; a flag on the command line still wins."""
     module = "dancegrpo.train_grpo_" + model
     env, stub = stubbed_run(tmp_path, ALGO="flow_grpo_fast")

@@ -1,6 +1,6 @@
 """Interchangeable with upstream DanceGRPO: its embedding files, its checkpoints, its numerics
 (selective checkpointing, FSDP precision, reward precision, VAE tiling). Each reference below is
-written from upstream's description in ../shared/DANCEGRPO.md, not from the code under test."""
+written from upstream's recorded behaviour, not from the code under test."""
 import json
 import math
 import os
@@ -17,7 +17,7 @@ from dancegrpo.models.flux import FluxFamily
 from dancegrpo.resume import plan_run
 from dancegrpo.trainer import setup
 
-from conftest import FAST
+from helpers import FAST
 
 
 # ------------------------------------------------------------------ selective checkpointing

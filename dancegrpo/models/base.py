@@ -54,6 +54,17 @@ def wants_tiled_decode(device, height, width):
     return torch.device(device).type == "cuda" and max(height, width) >= TILED_DECODE_MIN_PX
 
 
+def compute_autocast(device, mixed_precision="bf16"):
+    """The transformer's compute precision, for training and evaluation alike: bf16 (or fp16)
+    autocast on GPU, as upstream, unless mixed_precision is "no"; CPU runs stay float32 (bf16
+    gives no speedup there)."""
+    import contextlib
+    if torch.device(device).type == "cuda" and mixed_precision != "no":
+        dtype = torch.float16 if mixed_precision == "fp16" else torch.bfloat16
+        return torch.autocast("cuda", dtype=dtype)
+    return contextlib.nullcontext()
+
+
 def decode_context(device):
     """No grad, and bf16 autocast on GPU as upstream decodes; CPU stays float32."""
     import contextlib

@@ -1,6 +1,6 @@
 """Qwen-Image: QwenImageTransformer2DModel + AutoencoderKLQwenImage, as upstream trains it.
 
-Differences from Flux (../shared/DANCEGRPO.md, "Qwen-Image differences"):
+Differences from Flux, as upstream's Qwen-Image trainer has them:
 - the text condition is a zero-padded [B, T, D] embedding plus its attention
   mask [B, T] (1 = real token); the model gets `encoder_hidden_states_mask`,
   `img_shapes` [(1, h/16, w/16)] per sample and (diffusers < 0.36) `txt_seq_lens`

@@ -22,8 +22,9 @@ USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [ups
 Run an unmodified upstream DanceGRPO trainer with its train_one_step replaced by JAGG; its own
 flags follow the file, unchanged. JAGG flags (removed before upstream's parser sees the argv):
   --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
-  --jagg_alpha timestep|index  --jagg_backward auto|joint|split|batched (auto: split on one rank,
-  batched on several)  --jagg_reuse_rollout off|on_policy|always  --jagg_grouping trained|window
+  --jagg_alpha timestep|index  --jagg_grouping trained|window
+  --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
+  --jagg_reuse_rollout off|on_policy|always (on_policy)
   --jagg_allow_upstream_changes   run although the file differs from what the adapter relies on
   --jagg_fingerprint               print the file's fingerprint (family, parameters, source hash), exit
 --jagg_mode exact reproduces upstream's own step (same gradients, returns and RNG draws).

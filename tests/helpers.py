@@ -1,0 +1,112 @@
+"""Helpers shared by the test modules (no test module imports another): the fast geometry, the
+float64 setup and independent references of the update, and one training step with its gradients
+read at the optimizer step."""
+import math
+
+import numpy as np
+import torch
+
+from dancegrpo import trainer
+from dancegrpo.models.flux import FluxFamily
+
+# Small, fast geometry on the tiny models: 2 prompts x 4 generations, one optimizer step, micro-batches
+# of 4: S 8, fraction 0.6 -> 4 trained transitions per sample.
+FAST = ["--train_batch_size", 2, "--num_generations", 4, "--gradient_accumulation_steps", 8,
+        "--sample_batch_size", 8, "--update_batch_size", 4]
+
+
+def grads_of(model):
+    """The gradients of the trainable parameters, cloned."""
+    return [p.grad.detach().clone() for p in model.parameters() if p.requires_grad]
+
+
+def captured_step(make_args, *argv):
+    """One train_one_step of the Flux trainer module (through its seams, as patched at the time);
+    the gradients are read at each optimizer step. Returns (record, [grads per optimizer step], ctx)."""
+    import dancegrpo.train_grpo_flux as flux
+    args = make_args(*FAST, *argv)
+    ctx = trainer.setup(args, flux.FAMILY(args))
+    grads = []
+    ctx.optimizer.step = lambda *a, **k: grads.append(grads_of(ctx.raw_transformer))
+    ctx.step = 1
+    record = flux.train_one_step(ctx)
+    ctx.counter.remove()
+    return record, grads, ctx
+
+
+def reference_velocity(model, z, t, cond, h, w):
+    """Direct diffusers call, written independently of FluxFamily.predict."""
+    rows, cols = h // 16, w // 16
+    r, c = torch.meshgrid(torch.arange(rows, dtype=torch.float64), torch.arange(cols, dtype=torch.float64),
+                          indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(r), r, c], dim=-1).reshape(-1, 3)
+    out = model(hidden_states=z, encoder_hidden_states=cond["encoder_hidden_states"],
+                pooled_projections=cond["pooled_prompt_embeds"], timestep=t, img_ids=img_ids,
+                txt_ids=torch.zeros(cond["encoder_hidden_states"].shape[1], 3, dtype=torch.float64),
+                guidance=torch.full((z.shape[0],), 3.5, dtype=torch.float64))
+    return out.sample
+
+
+def reference_step_loss(v, rollout, b, k, adv, sigmas, args):
+    """The PPO-clip loss of sample b's transition k given its velocity v, as upstream writes it."""
+    s, s_next = float(sigmas[k]), float(sigmas[k + 1])
+    z, z_next = rollout.latents[b:b + 1, k], rollout.latents[b:b + 1, k + 1]
+    x0 = z - s * v
+    mean = z + (s_next - s) * (v + 0.5 * args.eta ** 2 * (z - (1 - s) * x0) / s ** 2)
+    std = args.eta * math.sqrt(s - s_next)
+    logp = torch.distributions.Normal(mean, std).log_prob(z_next).mean()
+    ratio = torch.exp(logp - rollout.log_probs[b, k])
+    a = adv[b].clamp(-args.adv_clip_max, args.adv_clip_max)
+    return torch.maximum(-a * ratio, -a * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))
+
+
+def reference_t(sigma):
+    """upstream: int() of the float32 product sigma * 1000, over 1000"""
+    return int(np.float32(sigma) * np.float32(1000)) / 1000
+
+
+def reference_step_velocity(model, rollout, cond, b, k, sigmas, args):
+    t = torch.tensor([reference_t(float(sigmas[k]))], dtype=torch.float64)
+    return reference_velocity(model, rollout.latents[b:b + 1, k], t, {key: val[b:b + 1] for key, val in cond.items()},
+                              args.h, args.w)
+
+
+def reference_loss(model, rollout, cond, adv, steps, sigmas, args, normaliser):
+    """sum over samples and trained transitions of the PPO-clip loss, as upstream writes it per step
+    (-1 in `steps` marks no transition)."""
+    total = 0.0
+    for b in range(steps.shape[0]):
+        for k in [k for k in steps[b].tolist() if k >= 0]:
+            v = reference_step_velocity(model, rollout, cond, b, k, sigmas, args)
+            total = total + reference_step_loss(v, rollout, b, k, adv, sigmas, args)
+    return total / normaliser
+
+
+def float64_setup(make_args, update_batch_size, *extra):
+    args = make_args(*FAST, "--clip_range", "0.05", "--update_batch_size", update_batch_size, *extra)
+    ctx = trainer.setup(args, FluxFamily(args))
+    ctx.transformer.double()
+    cond, captions = trainer.expand_groups(args, next(ctx.loader))
+    cond = {k: v.double() for k, v in cond.items()}
+    g = torch.Generator().manual_seed(0)
+    n, S = len(captions), args.sampling_steps
+    latents = torch.randn(n, S + 1, 16, 64, generator=g, dtype=torch.float64)
+    # Old log-probs spread around the new ones so that some ratios leave [1-eps, 1+eps] (clip active).
+    with torch.no_grad():
+        log_probs = torch.stack([trainer.transition_log_prob(
+            ctx, trainer.predict_velocity(ctx, latents[:, k], ctx.timesteps[k].expand(n).double(), cond),
+            latents[:, k], latents[:, k + 1], k) for k in range(S)], dim=1)
+    log_probs = log_probs + 0.1 * torch.randn(n, S, generator=g, dtype=torch.float64)
+    rollout = trainer.Rollout(latents, log_probs, [], torch.zeros(n))
+    adv = torch.randn(n, generator=g, dtype=torch.float64) * 3
+    return args, ctx, cond, rollout, adv
+
+
+def keep_rollout_outputs(ctx, rollout, cond):
+    """What a rollout that keeps its outputs stores: one forward over ALL samples per transition
+    (the update then runs in other micro-batches)."""
+    n = rollout.latents.shape[0]
+    with torch.no_grad():
+        rollout.outputs = torch.stack([trainer.predict_velocity(ctx, rollout.latents[:, k],
+                                                                ctx.timesteps[k].expand(n).double(), cond)
+                                       for k in range(rollout.latents.shape[1] - 1)], dim=1)
