@@ -8,6 +8,7 @@ import sys
 from . import presets
 from .distributed import SHARDING_STRATEGIES, WEIGHT_TYPES
 from .engine_deepspeed import add_engine_args, validate_engine_args
+from .grpo import ADVANTAGES
 from .lora import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, resolve_reward_spec
 
@@ -200,7 +201,7 @@ def add_flow_grpo_args(p):
     g.add_argument("--kl_beta", type=float, default=0.0,
                    help="Weight of Flow-GRPO's KL term to the reference policy (the base weights: LoRA's disabled "
                         "adapter, else a frozen copy); 0: none.")
-    g.add_argument("--advantage", choices=("dance", "flow_grpo"), default="dance",
+    g.add_argument("--advantage", choices=tuple(ADVANTAGES), default="dance",
                    help="dance: --use_group's (r - mean) / (std + 1e-8), unbiased std; flow_grpo: per-prompt mean, "
                         "population std (+1e-4), per prompt or with --global_std over every rank's rewards.")
     g.add_argument("--global_std", action=argparse.BooleanOptionalAction, default=False, help="With --advantage flow_grpo: one std over all rewards.")

@@ -44,6 +44,22 @@ def global_advantages(rewards, all_rewards, eps=1e-8):
     return (rewards - all_rewards.mean()) / (all_rewards.std() + eps)
 
 
+def dance_advantages(rewards, all_rewards, args):
+    """DanceGRPO's rule: per group of --num_generations with --use_group, else over every rank's rewards."""
+    if args.use_group:
+        return group_advantages(rewards, args.num_generations)
+    return global_advantages(rewards, all_rewards)
+
+
+def flow_grpo_rule(rewards, all_rewards, args):
+    """Flow-GRPO's rule: per prompt, with one std over every rank's rewards under --global_std."""
+    return flow_grpo_advantages(rewards, args.num_generations, all_rewards if args.global_std else None)
+
+
+# --advantage NAME -> fn(this rank's rewards, every rank's rewards, args): a new rule is one entry.
+ADVANTAGES = {"dance": dance_advantages, "flow_grpo": flow_grpo_rule}
+
+
 def ppo_clip_loss(log_prob, old_log_prob, advantages, clip_range, adv_clip_max):
     """Per-sample PPO-clip objective max(-A r, -A clip(r, 1-eps, 1+eps)), A clamped."""
     adv = advantages.clamp(-adv_clip_max, adv_clip_max)

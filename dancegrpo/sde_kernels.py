@@ -1,4 +1,5 @@
-"""The rollout's transition kernels, chosen by --sde_type (Flow-GRPO's and DanceGRPO's).
+"""The rollout's transition kernels, chosen by --sde_type (Flow-GRPO's and DanceGRPO's): a
+registry, one class per kernel, so a new kernel is one class and one entry in KERNELS.
 
 Every kernel maps (model output v, state x, transition k, noise level a) to a Gaussian
 N(mean, std^2) over the next state; the rollout draws from it and training re-scores the stored
@@ -20,8 +21,6 @@ import torch
 
 from .sde import _per_sample, at_least_fp32, flux_step, gaussian_log_prob
 
-SDE_TYPES = ("dance", "flow_grpo", "cps")
-
 
 def _sigmas_at(sigmas, index, like):
     sigma, sigma_next = sigmas[index], sigmas[index + 1]
@@ -30,40 +29,81 @@ def _sigmas_at(sigmas, index, like):
     return sigma.to(like.dtype), sigma_next.to(like.dtype)
 
 
-def kernel(sde_type, v, x, a, sigmas, index):
-    """(mean, std, kl_scale) of the transition from x at transition `index` (int or [B])."""
-    v, x = at_least_fp32(v), at_least_fp32(x)
-    if sde_type == "dance":
+class Kernel:
+    """A transition kernel: `gaussian` gives (mean, std, kl_scale) of the next state from x at
+    transition `index` (int or [B]); `log_prob` scores a next state under it; `step` draws one
+    (prev_sample None) or re-scores prev_sample."""
+
+    def gaussian(self, v, x, a, sigmas, index):
+        raise NotImplementedError
+
+    def log_prob(self, sample, mean, std):
+        return gaussian_log_prob(sample, mean, std)
+
+    def step(self, v, x, a, sigmas, index, prev_sample=None, generator=None):
+        mean, std, _ = self.gaussian(at_least_fp32(v), at_least_fp32(x), a, sigmas, index)
+        if prev_sample is None:
+            noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
+            prev_sample = mean + noise * std
+        return prev_sample, self.log_prob(prev_sample, mean, std)
+
+
+class Dance(Kernel):
+    """DanceGRPO's: its step is upstream's flux_step itself, bit for bit."""
+
+    def gaussian(self, v, x, a, sigmas, index):
         mean, _ = flux_step(v, x, a, sigmas, index, grpo=False, sde_solver=True)
         sigma, sigma_next = _sigmas_at(sigmas, index, x)
         std = a * torch.sqrt(sigma - sigma_next)
         return mean, std, std
-    sigma, sigma_next = _sigmas_at(sigmas, index, x)
-    if sde_type == "flow_grpo":
+
+    def step(self, v, x, a, sigmas, index, prev_sample=None, generator=None):
+        next_x, _, logp = flux_step(v, at_least_fp32(x), a, sigmas, index, prev_sample=prev_sample, grpo=True,
+                                    sde_solver=True, generator=generator)
+        return next_x, logp
+
+
+class FlowGRPO(Kernel):
+    def gaussian(self, v, x, a, sigmas, index):
+        sigma, sigma_next = _sigmas_at(sigmas, index, x)
         dt = sigma_next - sigma
         sigma_tilde = torch.where(sigma == 1, sigmas[1].to(x.dtype), sigma)
         g = a * torch.sqrt(sigma / (1 - sigma_tilde))
         mean = x * (1 + g ** 2 * dt / (2 * sigma)) + v * (1 + g ** 2 * (1 - sigma) / (2 * sigma)) * dt
         return mean, g * torch.sqrt(-dt), g
-    if sde_type == "cps":
+
+
+class CPS(Kernel):
+    def gaussian(self, v, x, a, sigmas, index):
+        sigma, sigma_next = _sigmas_at(sigmas, index, x)
         s = sigma_next * math.sin(a * math.pi / 2)
         x0_hat, x1_hat = x - sigma * v, x + (1 - sigma) * v
         mean = (1 - sigma_next) * x0_hat + torch.sqrt(sigma_next ** 2 - s ** 2) * x1_hat
         return mean, s, s
-    raise ValueError(f"--sde_type must be one of {SDE_TYPES}, got {sde_type!r}")
 
-
-def log_prob(sde_type, sample, mean, std):
-    """Per-sample log-prob of `sample` under the kernel (mean over the non-batch elements)."""
-    if sde_type == "cps":
+    def log_prob(self, sample, mean, std):
         diff = at_least_fp32(sample.detach()) - mean
         return -(diff ** 2).mean(dim=tuple(range(1, diff.ndim)))
-    return gaussian_log_prob(sample, mean, std)
+
+
+KERNELS = {"dance": Dance(), "flow_grpo": FlowGRPO(), "cps": CPS()}
+SDE_TYPES = tuple(KERNELS)
+
+
+def get_kernel(sde_type):
+    try:
+        return KERNELS[sde_type]
+    except KeyError:
+        raise ValueError(f"--sde_type must be one of {SDE_TYPES}, got {sde_type!r}") from None
+
+
+def kernel(sde_type, v, x, a, sigmas, index):
+    """(mean, std, kl_scale) of the transition from x at transition `index` (int or [B])."""
+    return get_kernel(sde_type).gaussian(at_least_fp32(v), at_least_fp32(x), a, sigmas, index)
 
 
 def sde_transition(sde_type, v, x, a, sigmas, index, prev_sample=None, generator=None):
     """(next state, log-prob): a draw when prev_sample is None, else a re-score of prev_sample.
-    dance is flux_step itself, bit for bit.
 
     A re-score with per-sample transitions (index [B]) runs the kernel once per distinct transition
     with an int index on the rows that take it: the same arithmetic as the rollout's draw, which
@@ -72,15 +112,7 @@ def sde_transition(sde_type, v, x, a, sigmas, index, prev_sample=None, generator
     if prev_sample is not None and torch.is_tensor(index) and index.ndim > 0:
         return per_transition(index, lambda k, rows: sde_transition(sde_type, v[rows], x[rows], a, sigmas, k,
                                                                    prev_sample[rows]))
-    if sde_type == "dance":
-        next_x, _, logp = flux_step(v, at_least_fp32(x), a, sigmas, index, prev_sample=prev_sample, grpo=True,
-                                    sde_solver=True, generator=generator)
-        return next_x, logp
-    mean, std, _ = kernel(sde_type, v, x, a, sigmas, index)
-    if prev_sample is None:
-        noise = torch.randn(mean.shape, generator=generator, device=mean.device, dtype=mean.dtype)
-        prev_sample = mean + noise * std
-    return prev_sample, log_prob(sde_type, prev_sample, mean, std)
+    return get_kernel(sde_type).step(v, x, a, sigmas, index, prev_sample, generator)
 
 
 def per_transition(index, step):

@@ -23,9 +23,8 @@ from .engine_deepspeed import DeepSpeedRun
 from .lora import LoraWeights, add_lora
 from .errors import Interrupted
 from .finite import require_finite
-from .grpo import (UpdateBatch, UpdateStats, flow_grpo_advantages, global_advantages, group_advantages,
-                   num_train_timesteps, ppo_clip_loss, select_train_steps as vanilla_selection,
-                   wants_rollout_outputs, window_train_steps)
+from .grpo import (ADVANTAGES, UpdateBatch, UpdateStats, num_train_timesteps, ppo_clip_loss,
+                   select_train_steps as vanilla_selection, wants_rollout_outputs, window_train_steps)
 from .memory import ActivationMeter, cuda_peak_mb, cuda_peak_reset
 from .metrics import MetricsWriter, PassCounter
 from .models.base import compute_autocast
@@ -243,13 +242,9 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
 
 
 def compute_advantages(ctx, rewards, all_rewards, host_gen):
+    """The --advantage rule (grpo.ADVANTAGES); with --shuffle_advantages randomly permuted."""
     args = ctx.args
-    if args.advantage == "flow_grpo":
-        adv = flow_grpo_advantages(rewards, args.num_generations, all_rewards if args.global_std else None)
-    elif args.use_group:
-        adv = group_advantages(rewards, args.num_generations)
-    else:
-        adv = global_advantages(rewards, all_rewards)
+    adv = ADVANTAGES[args.advantage](rewards, all_rewards, args)
     if args.shuffle_advantages:  # control: same magnitudes, no relation to the samples
         adv = adv[torch.randperm(adv.numel(), generator=host_gen).to(adv.device)]
     return adv

@@ -65,3 +65,22 @@ def test_choose_train_steps_is_a_per_sample_subset():
     assert len({tuple(r.tolist()) for r in steps}) > 1  # each sample draws its own subset
     again = choose_train_steps(64, 15, 9, torch.Generator().manual_seed(0))
     assert torch.equal(steps, again)
+
+
+def test_advantage_rules_are_a_registry_the_flag_and_the_trainer_read():
+    import types
+
+    from dancegrpo import trainer
+    from dancegrpo.args import build_parser
+    from dancegrpo.grpo import ADVANTAGES
+    (action,) = [a for a in build_parser("flux", "")._actions if "--advantage" in a.option_strings]
+    assert tuple(action.choices) == tuple(ADVANTAGES) == ("dance", "flow_grpo")
+    rewards = torch.tensor([1.0, 2.0, 4.0, 0.0, 3.0, 3.5])
+    args = types.SimpleNamespace(num_generations=3, use_group=True, global_std=False, shuffle_advantages=False)
+    by_hand = {"dance": group_advantages(rewards, 3),
+               "flow_grpo": (rewards.reshape(2, 3) - rewards.reshape(2, 3).mean(1, keepdim=True)).reshape(-1)
+               / (rewards.reshape(2, 3).std(1, unbiased=False, keepdim=True).repeat_interleave(3).reshape(-1) + 1e-4)}
+    for name, expected in by_hand.items():
+        args.advantage = name
+        got = trainer.compute_advantages(types.SimpleNamespace(args=args), rewards, rewards, None)
+        assert torch.allclose(got, expected), name
