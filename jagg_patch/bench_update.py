@@ -54,7 +54,7 @@ from .cost_model import sample_groups, seconds, sum_passes
 from .patch import make_policy_update, make_window_selection
 
 PAPER_STEP_GAIN = {"flux": 0.183, "qwenimage": 0.172}
-# Issue 14's targets for the default (reuse on_policy, GA covering the rollout), CPU small preset.
+# The targets for the default (reuse on_policy, GA covering the rollout), CPU small preset.
 TARGETS = {"flux": dict(step=0.25, update=0.40), "qwenimage": dict(step=0.172)}
 # Flow-GRPO-Fast (--sde_window_size > 0): the paper's update-phase figure, 29.9-30.0%.
 FAST_TARGETS = dict(update=0.299)

@@ -26,7 +26,7 @@ def test_code_and_docs_speak_of_the_repository_alone():
                                "benchmarks/*", "*.md", "docs/*")
              for p in glob.glob(os.path.join(ROOT, pattern), recursive=True) if os.path.isfile(p)]
     assert len(files) > 50
-    pattern = re.compile(r"\.\./shared|\bissues? \d+\b")
+    pattern = re.compile(r"\.\./shared|\bissues? \d+\b", re.IGNORECASE)
     found = []
     for path in files:
         if path == os.path.abspath(__file__):

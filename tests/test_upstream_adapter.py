@@ -312,13 +312,15 @@ def test_a_rollout_that_does_not_match_its_latents_is_not_reused():
 
 def test_reused_rollout_outputs_give_the_recomputed_gradient(cache_dir, tmp_path):
     standin = Standin("qwenimage", cache_dir, tmp_path)
-    results = {}
+    results, reused = {}, {}
     try:
         for reuse in ("off", "on_policy"):
             apply(standin.module, window=4, jagg_frac=1.0, reuse=reuse, backward="joint")
             results[reuse] = standin.step()
+            reused[reuse] = standin.module.train_one_step.last_stats["transformer_forwards_reused"]
     finally:
         revert(standin.module)
+    assert reused == {"off": 0, "on_policy": 2 * GA}   # the middles of the samples before the first step
     assert all(rel(a, b) < 1e-12 for a, b in zip(results["on_policy"][1], results["off"][1]))
 
 
