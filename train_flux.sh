@@ -39,7 +39,7 @@ CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
 # RECIPE: 8gpu (default, upstream's finetune_flux_grpo_8gpus.sh) or 16gpu (upstream's 2x8-GPU
 # finetune_flux_grpo.sh, which its README recommends "for better convergence"); the table in
-# README. Environment variables still win.
+# docs/gpu_training.md. Environment variables still win.
 case "${RECIPE:-8gpu}" in
   8gpu)
     EMA_FLAGS=(--use_ema --ema_decay "${EMA_DECAY:-0.995}")

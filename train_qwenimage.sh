@@ -54,7 +54,7 @@ DATA_JSON="${DATA_JSON:-data/qwenimage_rl_embeddings/videos2caption.json}"
 OUTPUT_DIR="${OUTPUT_DIR:-data/outputs/grpo_qwenimage${RUN_SUFFIX}}"
 CACHE_DIR="${CACHE_DIR:-data/.cache}"
 NPROC_DEFAULT=8
-# Upstream's Qwen-Image recipe (README, Training with real weights on GPUs); shared flags: scripts/launch.sh.
+# Upstream's Qwen-Image recipe (docs/gpu_training.md); shared flags: scripts/launch.sh.
 MODEL_RECIPE=(
   --vae_model_path "${VAE_MODEL_PATH:-$MODEL_PATH}"
   --selective_checkpointing "${SELECTIVE_CHECKPOINTING:-0.5}"

@@ -3,9 +3,9 @@
 #   1. quality: every VARIANT x SEED trains STEPS GRPO steps on the `digit` reward, writing a
 #      checkpoint every EVAL_EVERY steps; dancegrpo.evaluate scores the model before training
 #      (base@0) and every checkpoint on the held-out classifier (`digit_heldout`, 40 prompts x
-#      EVAL_IMAGES fixed-noise ODE samples); jagg_patch.quality_report draws the training-reward
+#      EVAL_IMAGES fixed-noise ODE samples); jagg_patch.tools.quality_report draws the training-reward
 #      and held-out curves (mean and min..max over seeds) and writes the table;
-#   2. fidelity: jagg_patch.fidelity on the trained models at upstream's geometry (S 16 / 20,
+#   2. fidelity: jagg_patch.tools.fidelity on the trained models at upstream's geometry (S 16 / 20,
 #      fraction 0.6, W 4), per group for both groupings (trained, window): cos(JAGG, exact) with
 #      the timestep and the index alpha, and the endpoints ablation.
 #
@@ -77,7 +77,7 @@ for model in $MODELS; do
       --output_dir "$root/seed$seed/eval" > "$root/seed$seed/eval.log" 2>&1 \
       || { echo "error: evaluate failed; see $root/seed$seed/eval.log" >&2; tail -20 "$root/seed$seed/eval.log" >&2; exit 1; }
   done
-  "$PY" -m jagg_patch.quality_report "$root" --metric digit_heldout --out "$root/report" --variants "${VARIANTS// /,}" \
+  "$PY" -m jagg_patch.tools.quality_report "$root" --metric digit_heldout --out "$root/report" --variants "${VARIANTS// /,}" \
     --title "digits world, $model: GRPO on the digit reward, seeds $SEEDS" > /dev/null
   {
     echo; echo "## Quality, $model ($((SECONDS - t0)) s: training $t_train s, evaluation $((SECONDS - t0 - t_train)) s)"; echo

@@ -8,7 +8,7 @@
 #   PRESET=small MODELS=flux WINDOWS="3 4" ROLLOUTS=3 SAMPLES=4 WARMUP_STEPS=0 bash benchmarks/fidelity.sh
 #   JAGG_GROUPING=window PRESET=small bash benchmarks/fidelity.sh   # rows = trajectory windows (authors)
 #
-# Runs `python -m jagg_patch.fidelity` through the train scripts (JAGG_LAUNCHER), so the model, data
+# Runs `python -m jagg_patch.tools.fidelity` through the train scripts (JAGG_LAUNCHER), so the model, data
 # and geometry are the training run's. Outputs: $OUT/fidelity/<model>/w<W>/fidelity.{json,csv,md},
 # and $OUT/fidelity/fidelity.md with all tables. Settings: benchmarks/common.sh.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -30,7 +30,7 @@ for model in $MODELS; do
     dir="$DEST/$model/w$w"
     rm -rf "$dir"; mkdir -p "$dir"
     echo "== $model / window $w" >&2
-    JAGG=1 JAGG_LAUNCHER=jagg_patch.fidelity JAGG_WINDOW="$w" JAGG_FRAC=1.0 NPROC=1 OUTPUT_DIR="$dir/run" \
+    JAGG=1 JAGG_LAUNCHER=jagg_patch.tools.fidelity JAGG_WINDOW="$w" JAGG_FRAC=1.0 NPROC=1 OUTPUT_DIR="$dir/run" \
       bash "$(train_script "$model")" --sampling_steps "$(sampling_steps "$model")" \
       --timestep_fraction "$TIMESTEP_FRACTION" "${SIZE[@]}" --fid_rollouts "$ROLLOUTS" --diag_samples "$SAMPLES" \
       --diag_warmup_steps "$WARMUP_STEPS" --fid_out "$dir" > "$dir.log" 2>&1 \

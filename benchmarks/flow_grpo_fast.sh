@@ -9,7 +9,7 @@
 # FAST_K (3): the window. Flux's recipe window is 3; Qwen-Image's is 2, where JAGG is exact and saves
 # nothing, so K=3 is measured for both (Qwen-Image's range (0, 5) holds it). JAGG runs with W = K and
 # jagg_frac 1 (the window is one group). Modes: vanilla, jagg (joint), jagg_split, and both with
-# the rollout's outputs reused; in ONE process on one rollout (jagg_patch.bench_update). Output:
+# the rollout's outputs reused; in ONE process on one rollout (jagg_patch.tools.bench_update). Output:
 # $OUT/flow_grpo_fast/<model>/bench_update.{json,md} and $OUT/flow_grpo_fast/flow_grpo_fast.md.
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 FAST_K="${FAST_K:-3}"
@@ -22,7 +22,7 @@ REPORT="$DEST/flow_grpo_fast.md"
 for model in $MODELS; do
   echo "== $model / Flow-GRPO-Fast update-phase micro-benchmark" >&2
   mkdir -p "$DEST/$model"
-  ALGO=flow_grpo_fast JAGG=1 JAGG_LAUNCHER=jagg_patch.bench_update JAGG_WINDOW="$FAST_K" JAGG_FRAC=1.0 \
+  ALGO=flow_grpo_fast JAGG=1 JAGG_LAUNCHER=jagg_patch.tools.bench_update JAGG_WINDOW="$FAST_K" JAGG_FRAC=1.0 \
     OUTPUT_DIR="$DEST/$model/bench_run" bash "$(train_script "$model")" --sde_window_size "$FAST_K" "${SIZE[@]}" \
     --bench_reps "$BENCH_REPS" --bench_modes "$BENCH_MODES" \
     --bench_json "$DEST/$model/bench_update.json" --bench_md "$DEST/$model/bench_update.md" \

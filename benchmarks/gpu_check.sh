@@ -4,7 +4,7 @@
 #   1. vanilla and JAGG (W 4, jagg_frac 0.6), 3 training steps each, in a single process;
 #   2. the same under `torchrun --nproc_per_node=1` (the launcher's path; with one rank no process
 #      group is created, so this checks the launch, not NCCL collectives);
-#   3. the update-phase micro-benchmark `jagg_patch.bench_update` at upstream's geometry (S 16 /
+#   3. the update-phase micro-benchmark `jagg_patch.tools.bench_update` at upstream's geometry (S 16 /
 #      20, fraction 0.6);
 # then prints ONE table: median step / update seconds, cuda_peak_mb and backwards per step of every
 # run, and bench_update's update / whole-step gains. Outputs under $OUT (runs/gpu_check).
@@ -47,7 +47,7 @@ for model in $MODELS; do
     --output_dir "$OUT/$model-torchrun-vanilla"
   run "$model-torchrun-jagg" torchrun --standalone --nproc_per_node=1 -m jagg_patch "$trainer" "${JAGG_FLAGS[@]}" \
     "${common[@]}" --output_dir "$OUT/$model-torchrun-jagg"
-  run "$model-bench_update" "$PY" -m jagg_patch.bench_update "$trainer" --preset small --cache_dir "$CACHE_DIR" \
+  run "$model-bench_update" "$PY" -m jagg_patch.tools.bench_update "$trainer" --preset small --cache_dir "$CACHE_DIR" \
     --mixed_precision bf16 --output_dir "$OUT/$model-bench" --sampling_steps "$S" --timestep_fraction 0.6 \
     "${JAGG_FLAGS[@]}" --bench_reps 3 --bench_modes vanilla,jagg,jagg_split,jagg_batched,jagg_split_reuse,jagg_batched_reuse \
     --bench_json "$OUT/$model-bench_update.json" --bench_md "$OUT/$model-bench_update.md"

@@ -47,7 +47,7 @@ for model in $MODELS; do
       ckpts+=(--checkpoint "$variant=$ckpt")
     done
     labels_csv="$(IFS=,; echo "${labels[*]}")"
-    "$PY" -m jagg_patch.compare "${dirs[@]}" --labels "$labels_csv" --out "$base/compare" \
+    "$PY" -m jagg_patch.tools.compare "${dirs[@]}" --labels "$labels_csv" --out "$base/compare" \
       --ma_window "$MA_WINDOW" > /dev/null
     if [[ -n "$PRESET" ]]; then
       src=(--preset "$PRESET" --cache_dir "$CACHE_DIR")   # the preset's S and size

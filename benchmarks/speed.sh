@@ -9,8 +9,8 @@
 #
 # Two measurements per model, both written under $OUT/speed/<model>/:
 # 1. training runs (STEPS steps each, same seed) through train_flux.sh / train_qwenimage.sh, then
-#    `python -m jagg_patch.compare` -> compare/comparison.{json,csv,md}, rewards.csv, PNG plots;
-# 2. with MICRO=1 (default), the update-phase micro-benchmark `jagg_patch.bench_update` (vanilla,
+#    `python -m jagg_patch.tools.compare` -> compare/comparison.{json,csv,md}, rewards.csv, PNG plots;
+# 2. with MICRO=1 (default), the update-phase micro-benchmark `jagg_patch.tools.bench_update` (vanilla,
 #    JAGG, exact, endpoints interleaved in ONE process on one rollout, BENCH_REPS repetitions,
 #    measured vs predicted speedup) -> bench_update.{json,md}.
 # $OUT/speed/speed.md collects the tables. Settings: benchmarks/common.sh.
@@ -39,12 +39,12 @@ for model in $MODELS; do
     echo; echo "## $model: training runs ($STEPS steps; medians after the first step)"; echo
   } >> "$REPORT"
   labels_csv="$(IFS=,; echo "${labels[*]}")"
-  "$PY" -m jagg_patch.compare "${dirs[@]}" --labels "$labels_csv" --out "$DEST/$model/compare" --ma_window 5 \
+  "$PY" -m jagg_patch.tools.compare "${dirs[@]}" --labels "$labels_csv" --out "$DEST/$model/compare" --ma_window 5 \
     > /dev/null
   cat "$DEST/$model/compare/comparison.md" >> "$REPORT"
   if [[ "$MICRO" == "1" ]]; then
     echo "== $model / update-phase micro-benchmark" >&2
-    JAGG=1 JAGG_LAUNCHER=jagg_patch.bench_update NPROC="${BENCH_NPROC:-${NPROC:-}}" \
+    JAGG=1 JAGG_LAUNCHER=jagg_patch.tools.bench_update NPROC="${BENCH_NPROC:-${NPROC:-}}" \
       OUTPUT_DIR="$DEST/$model/bench_run" bash "$(train_script "$model")" \
       --sampling_steps "$(sampling_steps "$model")" --timestep_fraction "$TIMESTEP_FRACTION" "${SIZE[@]}" \
       --bench_reps "$BENCH_REPS" --bench_unit_reps "$BENCH_UNIT_REPS" \

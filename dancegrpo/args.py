@@ -6,10 +6,10 @@ import re
 import sys
 
 from . import presets
-from .distributed import SHARDING_STRATEGIES, WEIGHT_TYPES
-from .engine_deepspeed import add_engine_args, validate_engine_args
-from .grpo import ADVANTAGES
-from .lora import add_lora_args, validate_lora_args
+from .utils.fsdp_util import SHARDING_STRATEGIES, WEIGHT_TYPES
+from .engines import add_engine_args, validate_engine_args
+from .algo.advantages import ADVANTAGES
+from .adapters.lora import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, resolve_reward_spec
 
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
@@ -186,8 +186,8 @@ def parse_args(parser, argv=None):
 
 
 def add_flow_grpo_args(p):
-    from .sde_kernels import SDE_TYPES
-    g = p.add_argument_group("Flow-GRPO / Flow-GRPO-Fast (this project; README, Flow-GRPO-Fast)")
+    from .algo.kernels import SDE_TYPES
+    g = p.add_argument_group("Flow-GRPO / Flow-GRPO-Fast (this project; docs/flow_grpo_fast.md)")
     g.add_argument("--sde_type", choices=SDE_TYPES, default="dance",
                    help="Transition kernel; --eta is its noise level a. dance: DanceGRPO's flux_step; flow_grpo: "
                         "Flow-GRPO's sde (g = a sqrt(sigma / (1 - sigma))); cps: the coefficient-preserving kernel "

@@ -42,8 +42,8 @@ from . import presets
 from .errors import NonFiniteError
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
 from .models.base import compute_autocast
-from .samples import tile
-from .sde import flux_step, model_timesteps, sigma_schedule
+from .utils.samples import tile
+from .algo.sde import flux_step, model_timesteps, sigma_schedule
 
 # family -> (module, family class, transformer class, VAE class); families import lazily.
 FAMILIES = {
@@ -368,7 +368,7 @@ def table_row(summary):
 
 
 def run(args):
-    from .data import PromptEmbeddingDataset
+    from .utils.data import PromptEmbeddingDataset
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     family_cls, transformer_cls, vae_cls = family_parts(args.family)
     family = family_cls(args)

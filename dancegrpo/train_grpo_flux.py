@@ -1,34 +1,20 @@
 """DanceGRPO for Flux: `python -m dancegrpo.train_grpo_flux ...` (or under torchrun).
 
-Names follow upstream's fastvideo/train_grpo_flux.py. `policy_update` and
-`select_train_steps` are the seams that `jagg_patch` replaces; `train_one_step`
-looks them up in this module at call time, so patching this module's attributes
-is enough.
+Upstream's fastvideo/train_grpo_flux.py: the Flux family and its parser; the loop is the shared
+one (dancegrpo.trainer), and `policy_update` / `select_train_steps` are this module's own
+attributes, the seams jagg_patch replaces.
 """
-from . import trainer
 from .args import build_parser as _build_parser, parse_args
-from .grpo import policy_update, select_train_steps  # noqa: F401  (the patchable seams)
-from .models.base import pack_latents, prepare_latent_image_ids, unpack_latents  # noqa: F401
 from .models.flux import FluxFamily
-from .sde import flux_step, sd3_time_shift  # noqa: F401
-from .distributed import gather_tensor  # noqa: F401
 from .errors import exit_on_config_error
-from .trainer import grpo_one_step, run_sample_step, sample_reference_model  # noqa: F401
+from .trainer import trainer_entry
 
 FAMILY = FluxFamily
+policy_update, select_train_steps, train_one_step, main = trainer_entry(__name__)
 
 
 def build_parser():
     return _build_parser("flux", "DanceGRPO training of Flux (FluxTransformer2DModel + AutoencoderKL).")
-
-
-def train_one_step(ctx):
-    return trainer.train_one_step(ctx, policy_update, select_train_steps)
-
-
-def main(args):
-    # `train_one_step` is passed through the module namespace on purpose: see the module docstring.
-    return trainer.run(args, FAMILY(args), lambda ctx: train_one_step(ctx))
 
 
 if __name__ == "__main__":

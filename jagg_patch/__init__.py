@@ -9,9 +9,9 @@
 
 or launch a trainer with it: `python -m jagg_patch dancegrpo.train_grpo_flux --jagg_window 4 ...`.
 """
-from .core import (ALPHA_RULES, BACKWARDS, GROUPINGS, MODES, Group, GroupResult, describe_plan,
-                   interpolation_weights, jagg_group_backward, num_trained_windows, plan_groups, plan_windows,
+from .core import (ALPHA_RULES, BACKWARDS, GROUPINGS, MODES, GroupResult, interpolation_weights, jagg_group_backward,
                    validate_jagg_config)
+from .plan import Group, describe_plan, num_trained_windows, plan_groups, plan_windows
 from .patch import apply_jagg, is_patched, make_policy_update, make_window_selection, revert_jagg
 from .seams import SEAMS, SeamError, check_seams
 

@@ -4,8 +4,9 @@ import argparse
 import importlib
 import sys
 
-from .core import (ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, describe_plan, group_cost,
-                   num_trained_windows, plan_groups, plan_windows, resolve_backward)
+from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
+
+from .plan import describe_plan, group_cost, num_trained_windows, plan_groups, plan_windows
 from .seams import SeamError, check_seams
 
 
@@ -112,7 +113,7 @@ def check_trajectory(args):
 
 def jagg_plan_text(args):
     """The plan for the configured S, timestep_fraction, grouping, window and jagg_frac."""
-    from dancegrpo.grpo import num_train_timesteps
+    from dancegrpo.algo.grpo import num_train_timesteps
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
     window = getattr(args, "sde_window_size", 0)
     n_vanilla = window or num_train_timesteps(num_transitions, args.timestep_fraction)

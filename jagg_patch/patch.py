@@ -9,10 +9,11 @@ import importlib
 
 import torch
 
-from dancegrpo.grpo import TrainSelection, UpdateStats
+from dancegrpo.algo.grpo import TrainSelection, UpdateStats
 
-from .core import (jagg_group_backward, num_trained_windows, plan_groups, plan_windows, resolve_backward,
-                   validate_jagg_config)
+from .core import jagg_group_backward, resolve_backward, validate_jagg_config
+
+from .plan import num_trained_windows, plan_groups, plan_windows
 from .seams import check_seams
 
 REPLACED = ("policy_update", "select_train_steps")
@@ -49,7 +50,7 @@ def _reuse_of(sub, cols, reuse):
 
 def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
                        grouping="trained", reuse="on_policy"):
-    """The JAGG replacement for dancegrpo.grpo.policy_update, configured. reuse (REUSE_MODES):
+    """The JAGG replacement for dancegrpo.algo.grpo.policy_update, configured. reuse (REUSE_MODES):
     whether the middle members take the rollout's outputs instead of a no-grad forward."""
     validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
     groups_of = _window_groups if grouping == "window" else _trained_groups
@@ -80,7 +81,7 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
 
 
 def make_window_selection(window):
-    """The authors' choice of trained transitions, replacing dancegrpo.grpo.select_train_steps:
+    """The authors' choice of trained transitions, replacing dancegrpo.algo.grpo.select_train_steps:
     per sample a random permutation of the windows, the first max(1, int(n_windows * fraction))
     trained whole; loss normaliser GA * n_trained_windows * W. -1 pads the samples that
     drew the shorter last window."""

@@ -32,23 +32,23 @@ TRAIN_SELECTION_FIELDS = ("steps", "num_train")
 DANCEGRPO_USES = (
     ("dancegrpo", "TRAINERS", None),
     ("dancegrpo.args", "parse_args", ("parser", "argv")),
-    ("dancegrpo.distributed", "clean_param_name", ("name",)),
+    ("dancegrpo.utils.fsdp_util", "clean_param_name", ("name",)),
     ("dancegrpo.errors", "ConfigError", None),
     ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
-    ("dancegrpo.grpo", "TrainSelection", None),
-    ("dancegrpo.grpo", "UpdateBatch", None),
-    ("dancegrpo.grpo", "UpdateStats", None),
-    ("dancegrpo.grpo", "num_train_timesteps", ("num_transitions", "timestep_fraction")),
-    ("dancegrpo.grpo", "policy_update", ("batch",)),
-    ("dancegrpo.grpo", "ppo_clip_loss", ("log_prob", "old_log_prob", "advantages", "clip_range", "adv_clip_max")),
-    ("dancegrpo.grpo", "select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
-    ("dancegrpo.grpo", "wants_rollout_outputs", ("update",)),
-    ("dancegrpo.memory", "ActivationMeter", None),
-    ("dancegrpo.metrics", "PassCounter", None),
-    ("dancegrpo.metrics", "first_tensor", ("output",)),
-    ("dancegrpo.plots", "moving_average", ("values", "window")),
-    ("dancegrpo.plots", "plot_mean_spread", ("path", "panels", "title")),
-    ("dancegrpo.plots", "plot_reward_curves", ("path", "curves")),
+    ("dancegrpo.algo.grpo", "TrainSelection", None),
+    ("dancegrpo.algo.grpo", "UpdateBatch", None),
+    ("dancegrpo.algo.grpo", "UpdateStats", None),
+    ("dancegrpo.algo.grpo", "num_train_timesteps", ("num_transitions", "timestep_fraction")),
+    ("dancegrpo.algo.grpo", "policy_update", ("batch",)),
+    ("dancegrpo.algo.grpo", "ppo_clip_loss", ("log_prob", "old_log_prob", "advantages", "clip_range", "adv_clip_max")),
+    ("dancegrpo.algo.grpo", "select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
+    ("dancegrpo.algo.grpo", "wants_rollout_outputs", ("update",)),
+    ("dancegrpo.utils.activation_meter", "ActivationMeter", None),
+    ("dancegrpo.utils.metrics", "PassCounter", None),
+    ("dancegrpo.utils.metrics", "first_tensor", ("output",)),
+    ("dancegrpo.utils.plots", "moving_average", ("values", "window")),
+    ("dancegrpo.utils.plots", "plot_mean_spread", ("path", "panels", "title")),
+    ("dancegrpo.utils.plots", "plot_reward_curves", ("path", "curves")),
     ("dancegrpo.trainer", "PreparedUpdate", None),
     ("dancegrpo.trainer", "accumulate_policy_gradient", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",
                                                          "normaliser", "policy_update", "on_policy")),
@@ -94,11 +94,11 @@ def check_seams(module):
         if found != params:
             raise SeamError(f"{module.__name__}.{name} takes {found}, jagg_patch expects {params} "
                             "(see jagg_patch.seams)")
-    from dancegrpo import grpo
-    from dancegrpo.grpo import TrainSelection, UpdateBatch, UpdateStats
+    from dancegrpo.algo import grpo
+    from dancegrpo.algo.grpo import TrainSelection, UpdateBatch, UpdateStats
     for attribute in POLICY_UPDATE_ATTRIBUTES:
         if not hasattr(grpo.policy_update, attribute):
-            raise SeamError(f"dancegrpo.grpo.policy_update lacks the attribute {attribute!r} that tells the "
+            raise SeamError(f"dancegrpo.algo.grpo.policy_update lacks the attribute {attribute!r} that tells the "
                             "trainer what jagg_patch's update reads (see jagg_patch.seams)")
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)

@@ -7,7 +7,7 @@
 # vanilla and JAGG runs differ in nothing but the launcher module.
 set -euo pipefail
 
-# Upstream's settings common to both recipes (README, Training with real weights on GPUs).
+# Upstream's settings common to both recipes (docs/gpu_training.md).
 COMMON_RECIPE=(
   --seed "${SEED:-42}"
   --gradient_checkpointing
@@ -45,7 +45,7 @@ JAGG_ALPHA="${JAGG_ALPHA:-timestep}"        # timestep (the paper) | index (the 
 JAGG_BACKWARD="${JAGG_BACKWARD:-auto}"      # auto: batched on several ranks, split on one | joint (the paper) | split (the authors' code) | batched
 JAGG_REUSE_ROLLOUT="${JAGG_REUSE_ROLLOUT:-on_policy}"  # off | on_policy (exact) | always (stale after a step)
 # With JAGG=1, the module that takes "TRAINER --jagg_* flags ...": jagg_patch (training), or the
-# benchmarks' jagg_patch.bench_update / jagg_patch.fidelity, which so run with the same recipe.
+# benchmarks' jagg_patch.tools.bench_update / jagg_patch.tools.fidelity, which so run with the same recipe.
 JAGG_LAUNCHER="${JAGG_LAUNCHER:-jagg_patch}"
 # Nodes: one by default (torchrun --standalone). With NNODES > 1, run the same command on every
 # node with its NODE_RANK (0..NNODES-1) and the MASTER_ADDR / MASTER_PORT of node 0; NPROC is
@@ -112,7 +112,7 @@ case "${ALGO:-dancegrpo}" in
   *) echo "error: ALGO must be dancegrpo or flow_grpo_fast, got '${ALGO}'" >&2; exit 2 ;;
 esac
 
-# LORA=1: train a LoRA adapter (dancegrpo.lora); the LoRA entry module and recipe are the caller's.
+# LORA=1: train a LoRA adapter (dancegrpo.adapters.lora); the LoRA entry module and recipe are the caller's.
 case "${LORA:-0}" in
   1) ARGS+=(--use_lora --lora_rank "${LORA_RANK:-128}" --lora_alpha "${LORA_ALPHA:-256}"
             --lora_target_modules "${LORA_TARGET_MODULES:-to_q,to_k,to_v,to_out.0}") ;;

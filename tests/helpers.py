@@ -2,12 +2,18 @@
 float64 setup and independent references of the update, and one training step with its gradients
 read at the optimizer step."""
 import math
+import os
 
 import numpy as np
 import torch
 
 from dancegrpo import trainer
 from dancegrpo.models.flux import FluxFamily
+from dancegrpo.algo.rollout import predict_velocity
+from dancegrpo.algo.objective import transition_log_prob
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(TESTS_DIR)
 
 # Small, fast geometry on the tiny models: 2 prompts x 4 generations, one optimizer step, micro-batches
 # of 4: S 8, fraction 0.6 -> 4 trained transitions per sample.
@@ -93,8 +99,8 @@ def float64_setup(make_args, update_batch_size, *extra):
     latents = torch.randn(n, S + 1, 16, 64, generator=g, dtype=torch.float64)
     # Old log-probs spread around the new ones so that some ratios leave [1-eps, 1+eps] (clip active).
     with torch.no_grad():
-        log_probs = torch.stack([trainer.transition_log_prob(
-            ctx, trainer.predict_velocity(ctx, latents[:, k], ctx.timesteps[k].expand(n).double(), cond),
+        log_probs = torch.stack([transition_log_prob(
+            ctx, predict_velocity(ctx, latents[:, k], ctx.timesteps[k].expand(n).double(), cond),
             latents[:, k], latents[:, k + 1], k) for k in range(S)], dim=1)
     log_probs = log_probs + 0.1 * torch.randn(n, S, generator=g, dtype=torch.float64)
     rollout = trainer.Rollout(latents, log_probs, [], torch.zeros(n))
@@ -107,6 +113,6 @@ def keep_rollout_outputs(ctx, rollout, cond):
     (the update then runs in other micro-batches)."""
     n = rollout.latents.shape[0]
     with torch.no_grad():
-        rollout.outputs = torch.stack([trainer.predict_velocity(ctx, rollout.latents[:, k],
+        rollout.outputs = torch.stack([predict_velocity(ctx, rollout.latents[:, k],
                                                                 ctx.timesteps[k].expand(n).double(), cond)
                                        for k in range(rollout.latents.shape[1] - 1)], dim=1)

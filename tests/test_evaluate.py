@@ -9,7 +9,7 @@ import pytest
 from PIL import Image
 
 from dancegrpo import evaluate
-from dancegrpo.checkpoint import write_transformer_folder
+from dancegrpo.utils.checkpoint import write_transformer_folder
 
 
 def _run(cache_dir, out, *extra):

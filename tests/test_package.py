@@ -23,7 +23,7 @@ def test_installed_package_runs_from_any_folder(tmp_path):
         assert len(list((shipped / "data" / "prompt_embed").glob("*.pt"))) == 40
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
-    for module in ("jagg_patch.compare", "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage",
+    for module in ("jagg_patch.tools.compare", "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage",
                    "dancegrpo.evaluate", "jagg_patch", "jagg_patch.upstream"):
         run = subprocess.run([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env, capture_output=True,
                              text=True, timeout=300)

@@ -14,7 +14,7 @@ COMMON = dict(train_batch_size=2, gradient_accumulation_steps=12, learning_rate=
               num_generations=12, shift=3.0, timestep_fraction=0.6, clip_range=1e-4, adv_clip_max=5.0, seed=42,
               use_group=True, init_same_noise=True, gradient_checkpointing=True, mixed_precision="bf16",
               weight_decay=1e-4, lr_warmup_steps=0)
-# Upstream's recipes (README, the table): Flux 8-GPU, Qwen-Image.
+# Upstream's recipes (docs/gpu_training.md, the table): Flux 8-GPU, Qwen-Image.
 SCRIPTS = {
     "flux": ("train_flux.sh", "dancegrpo.train_grpo_flux", "black-forest-labs/FLUX.1-dev",
              dict(COMMON, sampling_steps=16, checkpointing_steps=40, max_grad_norm=0.01, use_ema=True,

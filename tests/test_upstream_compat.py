@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import save_file
 
 from dancegrpo import train_grpo_flux
-from dancegrpo.distributed import apply_activation_checkpointing, fsdp_mixed_precision, resolve_weight_type
+from dancegrpo.utils.fsdp_util import apply_activation_checkpointing, fsdp_mixed_precision, resolve_weight_type
 from dancegrpo.errors import MissingFileError
 from dancegrpo.models import base
 from dancegrpo.models.flux import FluxFamily
-from dancegrpo.resume import plan_run
+from dancegrpo.run.resume import plan_run
 from dancegrpo.trainer import setup
 
 from helpers import FAST
@@ -123,7 +123,7 @@ def test_resume_from_an_upstream_ema_checkpoint_starts_from_its_weights(make_arg
     assert os.path.isfile(tmp_path / "mine" / "checkpoint-1-0" / "diffusion_pytorch_model.safetensors")
     # 'latest' in upstream's folder finds no resumable checkpoint and says how to use its weights.
     with pytest.raises(MissingFileError, match="checkpoint-ema-40-0 with a new --output_dir"):
-        from dancegrpo.checkpoint import resolve_resume_path
+        from dancegrpo.utils.checkpoint import resolve_resume_path
         resolve_resume_path("latest", str(upstream), log=lambda m: None)
 
 

@@ -198,7 +198,7 @@ def train_transformer(world, family, latents, labels, embeds, steps, generator, 
 def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8, shift=3.0, eta=0.0, seed=5):
     """Held-out correct-class rate of n samples from fixed noise, prompts cycling over digits and
     phrasings: Euler ODE (eta 0) or the trainer's SDE (eta > 0)."""
-    from ..sde import flux_step, model_timesteps, sigma_schedule
+    from ..algo.sde import flux_step, model_timesteps, sigma_schedule
     from .classifiers import neighbours_classifier
     g = torch.Generator().manual_seed(seed)
     prompts = [data.prompts_for(i % 10)[(i // 10) % len(data.PHRASINGS)] for i in range(n)]

@@ -1,7 +1,7 @@
 """What the per-model preprocessing scripts share: the command line, prompt
 reading, per-rank sharding under torchrun, and resume-safe writes.
 
-Layout written into --output_dir (what `dancegrpo.data.PromptEmbeddingDataset` reads):
+Layout written into --output_dir (what `dancegrpo.utils.data.PromptEmbeddingDataset` reads):
 
     <output_dir>/videos2caption.json           [{"caption": ..., "<field>": "<file>.pt", ...}, ...]
     <output_dir>/<subfolder>/<file>.pt         one tensor per prompt and embedding kind
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from ..distributed import barrier, init_distributed, shutdown
+from ..utils.communications import barrier, init_distributed, shutdown
 
 INDEX_NAME = "videos2caption.json"  # upstream's name, which the training scripts point at
 

@@ -4,7 +4,7 @@ of the function the adapter restates.
 
 A changed parameter list or arity stops at once with one line (UpstreamChanged), unless
 allow_changes turns it into a warning; a changed restated source only warns
-(UpstreamSourceChanged), naming the README section to re-read.
+(UpstreamSourceChanged), naming the docs page to re-read.
 """
 import ast
 import hashlib
@@ -15,7 +15,7 @@ import warnings
 from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS,
                      UPSTREAM_SOURCE_HASHES)
 
-README_SECTION = 'README, "JAGG on your own DanceGRPO checkout"'
+DOCS_PAGE = 'docs/upstream_adapter.md'
 RESTATED = ("train_one_step",)
 
 
@@ -113,7 +113,7 @@ def fingerprint(module):
 def rollout_changed(family, count):
     """The message for a sample_reference_model that returned `count` values."""
     return (f"upstream changed sample_reference_model: it returned {count} values, jagg_patch.upstream expects "
-            f"{UPSTREAM_ROLLOUT_VALUES} (upstream {UPSTREAM_COMMIT}, {family}); see {README_SECTION}")
+            f"{UPSTREAM_ROLLOUT_VALUES} (upstream {UPSTREAM_COMMIT}, {family}); see {DOCS_PAGE}")
 
 
 def check_upstream(module, allow_changes=False, source_hashes=None, log=print):
@@ -124,7 +124,7 @@ def check_upstream(module, allow_changes=False, source_hashes=None, log=print):
     changes = signature_changes(module, family)
     if changes:
         line = (f"upstream changed what jagg_patch.upstream relies on in {_file(module)} ({family}, written "
-                f"against upstream {UPSTREAM_COMMIT}): {'; '.join(changes)}. See {README_SECTION}")
+                f"against upstream {UPSTREAM_COMMIT}): {'; '.join(changes)}. See {DOCS_PAGE}")
         if not allow_changes:
             raise UpstreamChanged(line + "; --jagg_allow_upstream_changes runs anyway")
         warnings.warn(UpstreamSourceChanged(line + " (running anyway: --jagg_allow_upstream_changes)"), stacklevel=2)
@@ -134,10 +134,10 @@ def check_upstream(module, allow_changes=False, source_hashes=None, log=print):
         if expected is None:
             log(f"jagg_patch.upstream: note: no recorded source hash of {family} {name} at upstream "
                 f"{UPSTREAM_COMMIT} in this release, so a change to it cannot be detected (this file's: {found}; "
-                f"see {README_SECTION})")
+                f"see {DOCS_PAGE})")
         elif found != expected:
             warnings.warn(UpstreamSourceChanged(
                 f"upstream's {name} in {_file(module)} is not the source jagg_patch.upstream restates (upstream "
-                f"{UPSTREAM_COMMIT}, {family}: hash {expected}, found {found}): re-read {README_SECTION}, "
+                f"{UPSTREAM_COMMIT}, {family}: hash {expected}, found {found}): re-read {DOCS_PAGE}, "
                 f"\"When the fingerprint fires\", and compare the rules it lists with this {name}"), stacklevel=2)
     return family

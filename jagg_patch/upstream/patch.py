@@ -5,7 +5,7 @@ import json
 import os
 import uuid
 
-from dancegrpo.grpo import select_train_steps
+from dancegrpo.algo.grpo import select_train_steps
 
 from ..core import validate_jagg_config
 from ..patch import make_policy_update, make_window_selection

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from dancegrpo.metrics import first_tensor
+from dancegrpo.utils.metrics import first_tensor
 
 
 class RolloutRecorder:

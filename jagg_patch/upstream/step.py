@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dancegrpo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
-from dancegrpo.metrics import PassCounter, first_tensor
+from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
+from dancegrpo.utils.metrics import PassCounter, first_tensor
 
 from ..seams import UPSTREAM_ROLLOUT_VALUES
 from .families import FAMILIES, repeat_captions, repeat_rows

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dancegrpo import train_grpo_flux, trainer
-from dancegrpo.distributed import clip_grad_norm
+from dancegrpo.engines import plain_engine
 
 from fsdp_grad_check import check_args, same_data_on_every_rank
 
@@ -21,11 +21,11 @@ from fsdp_grad_check import check_args, same_data_on_every_rank
 def main(cache_dir, out_json, flags):
     args = check_args(cache_dir, out_json, flags)
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
-    assert ctx.engine is not None, "expected --engine deepspeed"
+    assert ctx.engine.name == "deepspeed", "expected --engine deepspeed"
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_model, _ = ctx.family.load(args, ctx.device)   # same weights, no engine
     if args.use_lora:
-        from dancegrpo.lora import add_lora
+        from dancegrpo.adapters.lora import add_lora
         add_lora(ref_model, args, ctx.seed)
     cond, rollout, adv, steps, num_train = same_data_on_every_rank(ctx, ref_model, num_prompts=2)
     normaliser = args.gradient_accumulation_steps * num_train
@@ -37,12 +37,11 @@ def main(cache_dir, out_json, flags):
     grad_norm = trainer.optimizer_step(ctx, "")
     got = ctx.engine.full_state(trainable_only=True)
 
-    ref_ctx = dataclasses.replace(ctx, transformer=ref_model, engine=None)
+    ref_engine = plain_engine(ref_model, args)   # one process's AdamW, no engine of DeepSpeed's
+    ref_ctx = dataclasses.replace(ctx, transformer=ref_model, engine=ref_engine)
     ref_model.train()
-    optimizer, _ = trainer.build_optimizer(args, ref_model)
     trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser * world, update)
-    ref_norm = clip_grad_norm(ref_model, args.max_grad_norm)
-    optimizer.step()
+    ref_norm = ref_engine.optimizer_step(lambda norm: None)
     ref = {k: p.detach() for k, p in ref_model.named_parameters() if p.requires_grad}
     assert set(ref) == set(got), sorted(set(ref) ^ set(got))[:4]
     err = max((got[k] - ref[k]).abs().max().item() for k in ref)

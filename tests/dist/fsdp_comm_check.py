@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from dancegrpo import train_grpo_flux, trainer
-from dancegrpo.distributed import full_gradients
-from dancegrpo.grpo import policy_update as vanilla_update
+from dancegrpo.utils.fsdp_util import full_gradients
+from dancegrpo.algo.grpo import policy_update as vanilla_update
+from dancegrpo.algo.rollout import predict_velocity
 from jagg_patch import make_policy_update
-from jagg_patch.comm_count import count_fsdp_collectives
+from jagg_patch.tools.comm_count import count_fsdp_collectives
 
 from fsdp_grad_check import check_args, same_data_on_every_rank
 
@@ -33,7 +34,7 @@ def main(cache_dir, out_json, flags):
     n, S = adv.numel(), args.sampling_steps
     ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
     with torch.no_grad():   # the rollout's own outputs, from the unsharded model
-        rollout.outputs = torch.stack([trainer.predict_velocity(ref_ctx, rollout.latents[:, k],
+        rollout.outputs = torch.stack([predict_velocity(ref_ctx, rollout.latents[:, k],
                                                                 ctx.timesteps[k].expand(n), cond)
                                        for k in range(S)], dim=1)
     normaliser = args.gradient_accumulation_steps * num_train

@@ -14,8 +14,10 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from dancegrpo import train_grpo_flux, trainer
 from dancegrpo.args import parse_args
-from dancegrpo.distributed import full_gradients
-from dancegrpo.data import PromptEmbeddingDataset, collate_prompts
+from dancegrpo.utils.fsdp_util import full_gradients
+from dancegrpo.utils.data import PromptEmbeddingDataset, collate_prompts
+from dancegrpo.algo.rollout import predict_velocity
+from dancegrpo.algo.objective import transition_log_prob
 from jagg_patch import apply_jagg
 from jagg_patch.cli import add_jagg_args, jagg_kwargs
 
@@ -30,8 +32,8 @@ def same_data_on_every_rank(ctx, ref_model, num_prompts):
     latents = torch.randn(n, S + 1, 16, 64, generator=g)
     ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
     with torch.no_grad():
-        log_probs = torch.stack([trainer.transition_log_prob(
-            ref_ctx, trainer.predict_velocity(ref_ctx, latents[:, k], ctx.timesteps[k].expand(n), cond),
+        log_probs = torch.stack([transition_log_prob(
+            ref_ctx, predict_velocity(ref_ctx, latents[:, k], ctx.timesteps[k].expand(n), cond),
             latents[:, k], latents[:, k + 1], k) for k in range(S)], dim=1)
     log_probs += 0.05 * torch.randn(n, S, generator=g)
     adv = 2 * torch.randn(n, generator=g)
@@ -57,7 +59,7 @@ def main(cache_dir, out_json, flags):
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_model, _ = ctx.family.load(args, ctx.device)   # same weights, unwrapped
     if args.use_lora:
-        from dancegrpo.lora import add_lora
+        from dancegrpo.adapters.lora import add_lora
         add_lora(ref_model, args, ctx.seed)             # the same adapter: drawn from the run seed
     cond, rollout, adv, steps, num_train = same_data_on_every_rank(ctx, ref_model, num_prompts=2)
     normaliser = args.gradient_accumulation_steps * num_train

@@ -8,10 +8,10 @@ import types
 import torch
 import torch.distributed as dist
 
-from dancegrpo.distributed import apply_activation_checkpointing, full_gradients, wrap_fsdp
+from dancegrpo.utils.fsdp_util import apply_activation_checkpointing, full_gradients, wrap_fsdp
 from dancegrpo.models.flux import FluxFamily
-from dancegrpo.sde import flux_step, model_timesteps, sigma_schedule
-from dancegrpo.grpo import ppo_clip_loss
+from dancegrpo.algo.sde import flux_step, model_timesteps, sigma_schedule
+from dancegrpo.algo.grpo import ppo_clip_loss
 from jagg_patch import jagg_group_backward, plan_groups
 
 M, W, N_TRAIN = 2, 4, 6                      # samples per rank, window, trained transitions per sample

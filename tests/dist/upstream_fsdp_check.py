@@ -24,7 +24,7 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     sys.path.insert(0, STANDIN)
-    from dancegrpo.distributed import full_gradients, wrap_fsdp
+    from dancegrpo.utils.fsdp_util import full_gradients, wrap_fsdp
     from dancegrpo.models.flux import FluxFamily
     from fastvideo.utils.standin_setup import ClipGradModule, latent_reward, load_transformer, prompt_batches
     from fastvideo.utils.standin_setup import standin_parser

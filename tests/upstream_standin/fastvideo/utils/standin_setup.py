@@ -9,7 +9,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from dancegrpo.data import PromptEmbeddingDataset, collate_prompts
+from dancegrpo.utils.data import PromptEmbeddingDataset, collate_prompts
 from dancegrpo.models.flux import FluxFamily
 from dancegrpo.models.qwenimage import QwenImageFamily
 from dancegrpo.presets import materialize_preset

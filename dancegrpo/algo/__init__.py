@@ -1,0 +1,1 @@
+"""The algorithm: SDE schedule and kernels, advantages, the GRPO update seam, rollout."""

@@ -1,0 +1,54 @@
+"""What a run writes besides its metrics: checkpoints of the weights after a step (with
+--checkpoints_total_limit retention), sample grids, and the reward curve."""
+import os
+
+import torch
+
+from .algo.rollout import predict_velocity
+from .run.finite import require_finite
+from .run.run_config import snapshot
+from .utils import checkpoint as ckpt, samples
+from .utils.data import collate_prompts
+from .utils.plots import moving_average, plot_reward_curves
+
+
+def save(ctx, step):
+    """A checkpoint of the weights after `step`'s update, after checking they are finite; then
+    --checkpoints_total_limit retention."""
+    finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
+    require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
+                   " (checked before writing a checkpoint, which was not written)")
+    weights_format = ctx.extra.get("weights_format", ckpt.FullWeights())
+    ema_state = None
+    if ctx.ema is not None:
+        with ctx.ema.swapped_in():
+            ema_state = ctx.engine.full_state(weights_format.trainable_only)
+    path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
+                                ema_state=ema_state, extra_state={"seed": ctx.seed},
+                                run_config=snapshot(ctx.args, ctx.seed), weights_format=weights_format)
+    if ctx.rank == 0:
+        ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
+                               protect=(path, ctx.extra.get("resumed_from")))
+    return path
+
+
+def write_samples(ctx, step):
+    """The sample grid of the weights after `step` (collective under FSDP; rank 0 decodes and writes)."""
+    dataset = ctx.extra["dataset"]
+    rows = samples.grid_rows([item["caption"] for item in dataset.items])
+    cond = {k: v.to(ctx.device) for k, v in collate_prompts([dataset[i] for i in rows]).items() if k != "caption"}
+    ctx.transformer.eval()
+    latents = samples.sample_latents(ctx.family, lambda z, t, c: predict_velocity(ctx, z, t, c), ctx.sigmas,
+                                     ctx.timesteps, cond)
+    if ctx.rank == 0:
+        return samples.save_grid(ctx.family.decode(ctx.vae, latents), ctx.args.output_dir, step)
+    return None
+
+
+def write_reward_curve(writer, output_dir, window=5):
+    records = [r for r in writer.records() if "reward_mean" in r]
+    if not records:
+        return None
+    rewards = [r["reward_mean"] for r in records]
+    curve = {"steps": [r["step"] for r in records], "reward": rewards, "ma": moving_average(rewards, window)}
+    return plot_reward_curves(os.path.join(output_dir, "reward_curve.png"), {f"reward (MA {window})": curve})

@@ -1,0 +1,1 @@
+"""A run's safety: the output-folder lock, resume, run config, signals, finite checks, errors."""

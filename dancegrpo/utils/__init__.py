@@ -1,0 +1,1 @@
+"""Checkpoints, collectives, data, EMA, metrics, plots, sample grids, memory accounting."""

@@ -1,0 +1,67 @@
+"""Sample grids while training: fixed prompts (rows) x fixed noise (columns), sampled with the
+deterministic Euler ODE on the run's own schedule, so grids of different steps differ only by
+the weights. Written by rank 0 as <output_dir>/samples/step-XXXXXX.png (--sample_every N)."""
+import os
+
+import torch
+from PIL import Image
+
+from ..algo.sde import flux_step
+
+COLUMNS = 4
+MAX_ROWS = 10
+SEED = 1234
+
+
+def grid_rows(captions):
+    """Dataset indices of the row prompts: in the digits world one prompt per digit, in digit
+    order; otherwise the first MAX_ROWS prompts."""
+    from ..digits.data import digit_of_prompt
+    first = {}
+    try:
+        for i, caption in enumerate(captions):
+            first.setdefault(digit_of_prompt(caption), i)
+    except ValueError:
+        return list(range(min(MAX_ROWS, len(captions))))
+    return [first[d] for d in sorted(first)]
+
+
+@torch.no_grad()
+def sample_latents(family, predict, sigmas, timesteps, cond, columns=COLUMNS, seed=SEED):
+    """x0 latents, row-major: each row of `cond` (batch-first) with the same `columns` noises.
+    `predict(latents, timesteps, cond)` is the trainer's velocity call (collective under FSDP:
+    every rank calls this; decoding is left to the caller)."""
+    rows = next(iter(cond.values())).shape[0]
+    device = next(iter(cond.values())).device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    z = family.initial_noise(columns, generator, device).repeat(rows, 1, 1)
+    cond = {k: v.repeat_interleave(columns, dim=0) for k, v in cond.items()}
+    x0 = z
+    for i in range(sigmas.numel() - 1):
+        v = predict(z, timesteps[i].expand(z.shape[0]).to(device), cond)
+        z, x0 = flux_step(v, z, 0.0, sigmas, i, grpo=False, sde_solver=False)   # Euler, and x0_hat
+    return x0.float()
+
+
+def tile(images, columns=COLUMNS, max_side=None, background="black"):
+    """Images row-major on a grid of `columns`; each scaled down to `max_side` px on its longest
+    side when it is larger."""
+    w, h = images[0].size
+    scale = min(1.0, max_side / max(w, h)) if max_side else 1.0
+    tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+    rows = (len(images) + columns - 1) // columns
+    grid = Image.new("RGB", (columns * tw, rows * th), background)
+    for i, im in enumerate(images):
+        im = im.convert("RGB")
+        grid.paste(im.resize((tw, th)) if scale < 1 else im, ((i % columns) * tw, (i // columns) * th))
+    return grid
+
+
+def save_grid(images, output_dir, step, columns=COLUMNS):
+    folder = os.path.join(output_dir, "samples")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"step-{step:06d}.png")
+    tmp = path + ".tmp.png"
+    tile(images, columns).save(tmp)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,277 @@
+"""Compare training runs side by side: the "diff against vanilla DanceGRPO".
+
+    python -m jagg_patch.tools.compare RUN_DIR [RUN_DIR ...] [--labels vanilla,jagg,...] [--out DIR]
+                                 [--ma_window 10] [--skip_first 1] [--no_plots]
+
+Each RUN_DIR is a trainer --output_dir holding metrics.jsonl (one JSON line per step). The
+first run is the reference. Printed, one row per run:
+
+- steps: distinct steps in metrics.jsonl (a step logged twice, e.g. after a resume, counts once:
+  the last record wins);
+- median step / rollout / update time (s), over the steps after the first --skip_first ones
+  (warm-up; all steps are used when a run has no more);
+- transformer forwards with grad, without grad, and backwards per step (median);
+- final and best moving-average reward: trailing mean over --ma_window steps (min(window, steps)
+  when the run is shorter); "best" is the maximum over the positions with a full window;
+- speedup vs the first run: 1 - t / t_first of the median step time and of the median update time
+  (the paper's "gain": 279 s -> 228 s is 18.3%), and the ratio t_first / t.
+
+With --out DIR: comparison.json (all numbers), comparison.csv (one row per run), comparison.md
+(the table), rewards.csv (per-step reward and moving average of every run) and, unless
+--no_plots, reward_curves.png (raw reward faint, moving average bold) and step_times.png
+(median rollout + update time per run, stacked bars).
+
+Bad input (missing folder, no or empty metrics.jsonl, a malformed line before the last) prints
+an error and exits with status 2. Printed as warnings, the numbers still shown: a torn last line
+(a run killed mid-write; read as missing), NaN/inf in a run's reward, loss or grad norm (the run
+is marked NON-FINITE and its reward is not ranked), runs of different lengths, and fewer than
+MIN_TIMED_STEPS timed steps (too few for a timing claim).
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+
+from dancegrpo.utils.plots import moving_average, plot_reward_curves
+
+COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
+FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
+MIN_TIMED_STEPS = 3
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+class CompareError(Exception):
+    """Bad input; the message says what is wrong."""
+
+
+def load_metrics(run_dir, warn=warn):
+    """The run's records, one per step in step order (the last record of a step wins)."""
+    if not os.path.isdir(run_dir):
+        raise CompareError(f"run folder {run_dir!r} does not exist")
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise CompareError(f"{path!r} not found: {run_dir!r} is not a training output folder "
+                           "(the trainer writes metrics.jsonl into its --output_dir)")
+    by_step = {}
+    with open(path) as f:
+        lines = f.read().split("\n")
+    torn = len(lines) - 1 if lines[-1].strip() else -1  # a last line without its newline: cut off mid-write
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno - 1 == torn:
+                warn(f"{path}:{lineno}: torn last line (the run was stopped while writing it); read as missing")
+                continue
+            raise CompareError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
+        if not isinstance(record, dict) or "step" not in record:
+            raise CompareError(f"{path}:{lineno}: a metrics record needs a 'step' field")
+        by_step[record["step"]] = record
+    if not by_step:
+        raise CompareError(f"{path!r} holds no steps (did the run finish its first step?)")
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def _median(records, field):
+    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
+    return statistics.median(values) if values else float("nan")
+
+
+def nonfinite_steps(records):
+    """{field: [steps]} where a reward, loss or grad norm was NaN/inf."""
+    found = {}
+    for r in records:
+        for field in FINITE_FIELDS:
+            if isinstance(r.get(field), (int, float)) and not math.isfinite(r[field]):
+                found.setdefault(field, []).append(r["step"])
+    return found
+
+
+def summarize(label, records, ma_window=10, skip_first=1):
+    """One run's row (a dict). Times are medians over the steps after the warm-up ones. A run
+    with a NaN/inf reward, loss or grad norm gets nonfinite set and NaN rewards (never "best")."""
+    bad = nonfinite_steps(records)
+    rewards = [float(r["reward_mean"]) for r in records if "reward_mean" in r]
+    timed = records[skip_first:] if len(records) > skip_first else records
+    window = min(ma_window, len(rewards)) if rewards else 1
+    ma = moving_average(rewards, window)
+    full = ma[window - 1:]
+    row = dict(label=label, steps=len(records), first_step=records[0]["step"], last_step=records[-1]["step"],
+               timed_steps=len(timed), ma_window=window,
+               step_time_s=_median(timed, "step_time_s"), rollout_time_s=_median(timed, "rollout_time_s"),
+               update_time_s=_median(timed, "update_time_s"),
+               activation_peak_mb=_median(records, "activation_peak_mb"),
+               **{f.replace("transformer_", "") + "_per_step": _median(records, f) for f in COUNT_FIELDS},
+               first_reward=rewards[0] if rewards else float("nan"),
+               final_ma_reward=ma[-1] if ma else float("nan"),
+               best_ma_reward=max(full) if full else float("nan"),
+               nonfinite="; ".join(f"{f} at steps {s[:5]}" for f, s in bad.items()))
+    if bad:
+        row.update(final_ma_reward=float("nan"), best_ma_reward=float("nan"))
+    return row, rewards, ma
+
+
+def _gain(t, ref):
+    return 1.0 - t / ref if ref and ref > 0 and not math.isnan(t) else float("nan")
+
+
+def _ratio(t, ref):
+    return ref / t if t and t > 0 and not math.isnan(ref) else float("nan")
+
+
+def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
+    """Rows for every run, with speedups vs the first; and the per-run reward curves."""
+    if not run_dirs:
+        raise CompareError("give at least one run folder")
+    labels = list(labels) if labels else [os.path.basename(os.path.normpath(d)) or d for d in run_dirs]
+    if len(labels) != len(run_dirs):
+        raise CompareError(f"{len(labels)} labels for {len(run_dirs)} run folders")
+    rows, curves = [], {}
+    for label, run_dir in zip(labels, run_dirs):
+        if label in curves:
+            raise CompareError(f"two runs are labelled {label!r}; give --labels")
+        records = load_metrics(run_dir)
+        row, rewards, ma = summarize(label, records, ma_window, skip_first)
+        if row["nonfinite"]:
+            warn(f"run {label!r} has non-finite values ({row['nonfinite']}): it diverged; its reward is not ranked")
+        if row["timed_steps"] < MIN_TIMED_STEPS:
+            warn(f"run {label!r} has {row['timed_steps']} timed step(s) after the warm-up: too few for a timing "
+                 f"claim (want >= {MIN_TIMED_STEPS})")
+        row["run_dir"] = run_dir
+        rows.append(row)
+        curves[label] = dict(steps=[r["step"] for r in records if "reward_mean" in r], reward=rewards, ma=ma)
+    lengths = {row["label"]: row["steps"] for row in rows}
+    if len(set(lengths.values())) > 1:
+        warn(f"runs have different lengths ({lengths}); rewards are compared over different spans")
+    ref = rows[0]
+    for row in rows:
+        row["step_speedup"] = _gain(row["step_time_s"], ref["step_time_s"])
+        row["step_speedup_ratio"] = _ratio(row["step_time_s"], ref["step_time_s"])
+        row["update_speedup"] = _gain(row["update_time_s"], ref["update_time_s"])
+        row["update_speedup_ratio"] = _ratio(row["update_time_s"], ref["update_time_s"])
+    return rows, curves
+
+
+def _fmt(x, spec):
+    return "n/a" if isinstance(x, float) and math.isnan(x) else format(x, spec)
+
+
+def _count(x):
+    return "n/a" if isinstance(x, float) and math.isnan(x) else f"{x:g}"
+
+
+COLUMNS = ["run", "steps", "step s", "rollout s", "update s", "fwd grad/step", "fwd no-grad/step", "bwd/step",
+           "activation peak MB", "final MA reward", "best MA reward", "step speedup", "update speedup"]
+
+
+def table_cells(row):
+    return [row["label"] + (" (NON-FINITE)" if row.get("nonfinite") else ""), str(row["steps"]), _fmt(row["step_time_s"], ".3f"), _fmt(row["rollout_time_s"], ".3f"),
+            _fmt(row["update_time_s"], ".3f"), _count(row["forwards_grad_per_step"]),
+            _count(row["forwards_nograd_per_step"]), _count(row["backwards_per_step"]),
+            _fmt(row["activation_peak_mb"], ".1f"), _fmt(row["final_ma_reward"], ".4f"),
+            _fmt(row["best_ma_reward"], ".4f"),
+            _fmt(100 * row["step_speedup"], "+.1f") + "% (" + _fmt(row["step_speedup_ratio"], ".2f") + "x)",
+            _fmt(100 * row["update_speedup"], "+.1f") + "% (" + _fmt(row["update_speedup_ratio"], ".2f") + "x)"]
+
+
+def markdown_table(rows):
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    ma = rows[0]["ma_window"] if rows else 0
+    lines.append("")
+    lines.append(f"Times: medians over the steps after the warm-up; speedup = 1 - t / t({rows[0]['label']}) "
+                 f"(ratio in brackets); MA = trailing mean over {ma} steps.")
+    return "\n".join(lines)
+
+
+def write_outputs(out_dir, rows, curves, plots=True):
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "comparison.json"), "w") as f:
+        json.dump({"runs": rows, "curves": curves}, f, indent=1)
+    with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(os.path.join(out_dir, "comparison.md"), "w") as f:
+        f.write(markdown_table(rows) + "\n")
+    with open(os.path.join(out_dir, "rewards.csv"), "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["run", "step", "reward_mean", "reward_ma"])
+        for label, c in curves.items():
+            writer.writerows([label, s, r, m] for s, r, m in zip(c["steps"], c["reward"], c["ma"]))
+    written = []
+    if plots:
+        written = write_plots(out_dir, rows, curves)
+    return written
+
+
+def write_plots(out_dir, rows, curves):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labelled = {f"{label} (MA {rows[i]['ma_window']})": c for i, (label, c) in enumerate(curves.items())}
+    paths = [plot_reward_curves(os.path.join(out_dir, "reward_curves.png"), labelled)]
+
+    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4))
+    labels = [r["label"] for r in rows]
+    rollout = [0.0 if math.isnan(r["rollout_time_s"]) else r["rollout_time_s"] for r in rows]
+    update = [0.0 if math.isnan(r["update_time_s"]) else r["update_time_s"] for r in rows]
+    ax.bar(labels, rollout, label="rollout", color="C7")
+    ax.bar(labels, update, bottom=rollout, label="update", color="C0")
+    for i, r in enumerate(rows):
+        total = r["step_time_s"]
+        if not math.isnan(total):
+            note = "" if i == 0 else f"\n{100 * r['step_speedup']:+.1f}%"
+            ax.text(i, max(total, rollout[i] + update[i]), f"{total:.2f} s{note}", ha="center", va="bottom")
+    ax.set_ylabel("median seconds per training step")
+    ax.set_title("Step time: rollout + policy update")
+    ax.legend()
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    paths.append(os.path.join(out_dir, "step_times.png"))
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="python -m jagg_patch.tools.compare", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer output folders; the first is the reference.")
+    p.add_argument("--labels", default=None, help="Comma list of names, one per run (default: folder names).")
+    p.add_argument("--out", default=None, help="Write comparison.{json,csv,md}, rewards.csv and the PNG plots here.")
+    p.add_argument("--ma_window", type=int, default=10, help="Moving-average window in steps (default 10).")
+    p.add_argument("--skip_first", type=int, default=1,
+                   help="Warm-up steps left out of the time medians (default 1).")
+    p.add_argument("--no_plots", action="store_true", help="Do not write PNG plots.")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        if args.ma_window < 1 or args.skip_first < 0:
+            raise CompareError("--ma_window must be >= 1 and --skip_first >= 0")
+        labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
+        rows, curves = compare(args.run_dirs, labels, args.ma_window, args.skip_first)
+        print(markdown_table(rows), flush=True)
+        if args.out:
+            for path in write_outputs(args.out, rows, curves, plots=not args.no_plots):
+                print(f"wrote {path}")
+            print(f"wrote {os.path.join(args.out, 'comparison.{json,csv,md}')} and rewards.csv")
+    except CompareError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The pass-count cost model of the policy update, and what the paper's speed figures imply.
+
+    python -m jagg_patch.tools.cost_model
+
+Per sample, the update costs F_g x (forwards with grad) + F_ng x (forwards without grad)
++ B x (backwards of one forward's graph). Per group of w members:
+
+    exact per-step             w F_g              + w B
+    this project's JAGG        2 F_g + (w-2) F_ng + 2 B   (joint or split backward)
+    the authors' pass schedule 2 F_g +  w    F_ng + 2 B   (their code first forwards every
+                                                          member without grad, endpoints too)
+    with the rollout's outputs 2 F_g                + 2 B   (--jagg_reuse_rollout, on-policy
+                                                          samples: the middles cost nothing)
+
+The table printed by `main` takes the paper's two speed figures and solves, for each
+variant, the backward/forward cost ratio B/F at which the variant would be that much faster
+per step than vanilla, with F_ng = F_g = F and a rollout of exactly S forwards. Decoding,
+rewards, the optimizer and communication are left out: they only lower every gain, so they
+can only raise the B/F a variant needs. A plain backward costs about 2 F; with activation
+checkpointing (the upstream recipes) about 3 F, since it recomputes the forward.
+"""
+from dataclasses import dataclass
+
+from ..plan import group_cost, num_trained_windows, plan_groups, plan_windows
+
+def group_passes(group, mode="jagg", schedule="project"):
+    """(grad forwards, no-grad forwards, backwards) of one group of one sample."""
+    f_grad, f_nograd, backwards = group_cost(group, mode, reused=schedule == "reuse")
+    if schedule == "authors" and group.jagg and mode != "exact":
+        f_nograd += 2  # the endpoints' no-grad forwards for the upstream gradients
+    return f_grad, f_nograd, backwards
+
+
+def sum_passes(groups, mode="jagg", schedule="project"):
+    totals = [0, 0, 0]
+    for g in groups:
+        for i, n in enumerate(group_passes(g, mode, schedule)):
+            totals[i] += n
+    return tuple(totals)
+
+
+def seconds(passes, f_grad, f_nograd, backward):
+    return passes[0] * f_grad + passes[1] * f_nograd + passes[2] * backward
+
+
+def sample_groups(steps_row, num_transitions, window, jagg_frac, grouping="trained"):
+    """The groups one sample's update runs: its trained transitions (-1 pads ignored) grouped
+    as the patched policy_update groups them."""
+    row = sorted(int(k) for k in steps_row if int(k) >= 0)
+    if grouping == "window":
+        return [g for g in plan_windows(num_transitions, window, jagg_frac) if g.members[0] in row]
+    return plan_groups(row, window, jagg_frac)
+
+
+@dataclass
+class Variant:
+    """One sample's step in units of F (F_ng = F_g = F): rollout forwards + update passes."""
+    label: str
+    rollout_forwards: int
+    passes: tuple      # (grad forwards, no-grad forwards, backwards)
+
+    def units(self, b_over_f):
+        return self.rollout_forwards + self.passes[0] + self.passes[1] + self.passes[2] * b_over_f
+
+
+def step_gain(b_over_f, vanilla, variant):
+    return 1.0 - variant.units(b_over_f) / vanilla.units(b_over_f)
+
+
+def implied_b_over_f(gain, vanilla, variant):
+    """The B/F at which `variant` is `gain` faster per step than `vanilla` (None if no B/F does)."""
+    slope = variant.passes[2] - (1 - gain) * vanilla.passes[2]
+    if slope == 0:
+        return None
+    x = ((1 - gain) * (vanilla.units(0)) - variant.units(0)) / slope
+    return x if x > 0 else None
+
+
+def dancegrpo_variants(sampling_steps, timestep_fraction, window, jagg_frac, authors_sampling_steps=None,
+                       authors_window=None):
+    """vanilla and the JAGG variants at one upstream geometry (per sample)."""
+    from dancegrpo.algo.grpo import num_train_timesteps
+    n = num_train_timesteps(sampling_steps - 1, timestep_fraction)
+    vanilla = Variant("vanilla DanceGRPO", sampling_steps, (n, 0, n))
+    trained = plan_groups(range(n), window, jagg_frac)
+    variants = [Variant(f"paper: trained grouping, W {window}, jagg_frac {jagg_frac} (this project's passes)",
+                        sampling_steps, sum_passes(trained)),
+                Variant("same groups, the authors' pass schedule", sampling_steps,
+                        sum_passes(trained, schedule="authors")),
+                Variant("rollout reuse: same groups, middles from the rollout (on-policy samples)", sampling_steps,
+                        sum_passes(trained, schedule="reuse"))]
+    if authors_sampling_steps:
+        s, w = authors_sampling_steps, authors_window
+        windows = plan_windows(s - 1, w, 1.0)   # their code needs W | S-1: equal windows, any k alike
+        k = num_trained_windows(len(windows), timestep_fraction)
+        variants.append(Variant(f"authors' code: S {s}, windows of {w}, {k} trained, all JAGG", s,
+                                sum_passes(windows[:k], schedule="authors")))
+    return vanilla, variants
+
+
+# The paper's speed figures (s / training step) and the geometry each was measured at.
+PAPER_FIGURES = (
+    dict(model="Flux", baseline_s=279.0, jagg_s=228.0, sampling_steps=16, authors_sampling_steps=16,
+         authors_window=5),   # 15 transitions: W 5 is the only window >= 4 their code accepts
+    dict(model="Qwen-Image", baseline_s=835.0, jagg_s=691.0, sampling_steps=20, authors_sampling_steps=21,
+         authors_window=4),   # run_jagg.sh (S 21, W 4) against run_standard.sh (S 20)
+)
+
+
+def paper_table(timestep_fraction=0.6, window=4, jagg_frac=0.6, ratios=(2.0, 3.0)):
+    rows = []
+    for fig in PAPER_FIGURES:
+        gain = 1 - fig["jagg_s"] / fig["baseline_s"]
+        vanilla, variants = dancegrpo_variants(fig["sampling_steps"], timestep_fraction, window, jagg_frac,
+                                               fig["authors_sampling_steps"], fig["authors_window"])
+        for v in variants:
+            rows.append(dict(model=fig["model"], paper_gain=gain, variant=v.label, passes=v.passes,
+                             implied_b_over_f=implied_b_over_f(gain, vanilla, v),
+                             predicted={r: step_gain(r, vanilla, v) for r in ratios}))
+    return rows
+
+
+def format_table(rows, ratios=(2.0, 3.0)):
+    lines = ["| model (paper gain) | variant | passes / sample (F_g, F_ng, B) | B/F needed | "
+             + " | ".join(f"gain at B = {r:g} F" for r in ratios) + " |",
+             "|---|---|---|---|" + "---|" * len(ratios)]
+    for r in rows:
+        need = "none" if r["implied_b_over_f"] is None else f"{r['implied_b_over_f']:.2f}"
+        lines.append(f"| {r['model']} ({100 * r['paper_gain']:.1f}%) | {r['variant']} | {r['passes']} | {need} | "
+                     + " | ".join(f"{100 * r['predicted'][x]:+.1f}%" for x in ratios) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    print(__doc__.split("\n\n", 2)[2].strip())
+    print()
+    print(format_table(paper_table()))
+
+
+if __name__ == "__main__":
+    main()

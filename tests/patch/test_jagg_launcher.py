@@ -1,0 +1,154 @@
+"""`python -m jagg_patch` single-process and under torchrun, and FSDP1 joint backward."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import helpers
+from helpers import REPO_ROOT
+
+ROOT = REPO_ROOT
+FAST = [str(a) for a in helpers.FAST]
+
+
+def run(cmd, timeout=240):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+
+
+def metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_help_explains_usage():
+    out = run([sys.executable, "-m", "jagg_patch", "--help"])
+    assert out.returncode == 0
+    assert "python -m jagg_patch TRAINER_MODULE" in out.stdout and "--jagg_window" in out.stdout
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--jagg_window", "1", "must be >= 2"), ("--jagg_frac", "1.5", "must be in [0, 1]"),
+    ("--jagg_mode", "fast", "invalid choice"),
+])
+def test_bad_jagg_flags_are_argparse_errors(cache_dir, tmp_path, flag, value, message):
+    out = run([sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny",
+               "--cache_dir", cache_dir, "--output_dir", str(tmp_path), flag, value])
+    assert out.returncode == 2 and message in out.stderr and flag in out.stderr
+
+
+def test_unknown_trainer_module_is_an_error():
+    out = run([sys.executable, "-m", "jagg_patch", "no_such.trainer"])
+    assert out.returncode == 2 and "cannot import trainer module" in out.stderr
+
+
+def test_launch_tiny_prints_plan_and_saves_backwards(cache_dir, tmp_path):
+    out = run([sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny",
+               "--cache_dir", cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
+               "--jagg_window", "3", "--jagg_frac", "0.6"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert ("JAGG plan (grouping trained, alpha timestep, backward auto -> split, mode jagg, window 3, jagg_frac 0.6)"
+            in out.stdout)
+    assert "group 0: positions [0, 1, 2] (size 3) -> JAGG (jagg, split backward)" in out.stdout
+    assert "per sample: 3 transformer backwards instead of 4" in out.stdout
+    assert "group 1: positions [3] (size 1) -> exact" in out.stdout
+    (record,) = metrics(tmp_path)
+    assert (record["jagg_groups"], record["exact_groups"]) == (8, 8)
+    assert record["transformer_backwards"] == 8 * (2 + 1)  # vanilla: 8 * 4
+
+
+def test_fsdp_joint_backward_equals_single_process():
+    out = run(torchrun(os.path.join("tests", "dist", "fsdp_jagg_check.py")))
+    assert out.returncode == 0 and "FSDP_JAGG_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_launch_under_torchrun(cache_dir, tmp_path):
+    out = run(torchrun("-m", "jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir",
+                       cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
+                       "--jagg_window", "4"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("JAGG plan") == 1  # printed by rank 0 only
+    (record,) = metrics(tmp_path)
+    assert record["world_size"] == 2 and record["samples"] == 16
+    assert (record["jagg_groups"], record["transformer_backwards"]) == (16, 2 * 16)
+
+
+# ---------------------------------------------------------------- the authors' variant flags
+
+def test_window_larger_than_trajectory_stops_before_loading(cache_dir, tmp_path, capsys):
+    from jagg_patch.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+              str(tmp_path), "--jagg_grouping", "window", "--jagg_window", "8"])   # tiny: S 8 -> 7 transitions
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert "--jagg_window <= S-1 = 7" in err and "lower --jagg_window" in err
+    assert not os.path.exists(os.path.join(tmp_path, "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("flag, value", [("--jagg_grouping", "windows"), ("--jagg_alpha", "linear"),
+                                         ("--jagg_backward", "both")])
+def test_unknown_variant_flags_are_argparse_errors(cache_dir, tmp_path, capsys, flag, value):
+    from jagg_patch.__main__ import main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+              str(tmp_path), flag, value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "invalid choice" in err and flag in err
+
+
+def test_window_plan_text(make_args):
+    from jagg_patch.cli import add_jagg_args, jagg_plan_text
+    from dancegrpo.args import parse_args
+    import dancegrpo.train_grpo_qwenimage as tq
+    parser = add_jagg_args(tq.build_parser())
+    args = parse_args(parser, ["--preset", "tiny", "--output_dir", "x", "--sampling_steps", "21",
+                               "--timestep_fraction", "0.6", "--jagg_window", "5", "--jagg_frac", "0.5",
+                               "--jagg_grouping", "window", "--jagg_alpha", "index", "--jagg_backward", "split"])
+    text = jagg_plan_text(args)
+    assert "grouping window, alpha index, backward split" in text
+    assert "4 contiguous windows, 2 of them drawn at random per sample" in text
+    assert "window 0: transitions [0, 1, 2, 3, 4] (size 5) -> JAGG (jagg, split backward)" in text
+    assert "2 backwards in 2 calls" in text
+    assert "window 3: transitions [15, 16, 17, 18, 19] (size 5) -> exact" in text
+    # windows cost 2, 2, 5, 5 backwards: 2 of 4 drawn -> expected 7, from 4 to 10, instead of 10
+    assert "per sample: 7 transformer backwards expected (min 4, max 10) instead of 10" in text
+    assert "vanilla trains 12 transitions" in text
+
+
+def test_launch_window_split_tiny(cache_dir, tmp_path):
+    out = run([sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_qwenimage", "--preset", "tiny",
+               "--cache_dir", cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
+               "--timestep_fraction", "1.0", "--jagg_window", "4", "--jagg_frac", "1.0", "--jagg_grouping", "window",
+               "--jagg_alpha", "index", "--jagg_backward", "split"])
+    assert out.returncode == 0, out.stderr[-3000:]
+    # qwen tiny: S 8 -> windows (0..3) JAGG and (4, 5, 6) JAGG, both trained (fraction 1): 2 + 2 backwards
+    assert "window 1: transitions [4, 5, 6] (size 3) -> JAGG" in out.stdout
+    (record,) = metrics(tmp_path)
+    assert record["transformer_backwards"] == 8 * 4 and record["jagg_groups"] == 16
+    assert record["activation_peak_mb"] > 0
+
+
+def test_every_description_of_backward_auto_says_what_resolve_backward_does():
+    import argparse
+    import re
+
+    import jagg_patch.__main__ as launcher
+    import jagg_patch.upstream.__main__ as upstream_launcher
+    from jagg_patch.cli import add_jagg_args
+    from jagg_patch.core import resolve_backward
+    parser = add_jagg_args(argparse.ArgumentParser())
+    (action,) = [a for a in parser._actions if "--jagg_backward" in a.option_strings]
+    with open(os.path.join(ROOT, "scripts", "launch.sh")) as f:
+        script = f.read()
+    expected = [(resolve_backward("auto", 2), resolve_backward("auto", 1))]
+    for where, text in (("--jagg_backward help", action.help), ("python -m jagg_patch usage", launcher.USAGE),
+                        ("python -m jagg_patch.upstream usage", upstream_launcher.USAGE),
+                        ("scripts/launch.sh", script)):
+        assert re.findall(r"auto: (\w+) on several ranks, (\w+) on one", " ".join(text.split())) == expected, where

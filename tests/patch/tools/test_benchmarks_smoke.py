@@ -1,0 +1,121 @@
+"""Smoke test of benchmarks/*.sh at minimal sizes on the tiny preset (not timed): each script runs
+end to end and writes its raw numbers and markdown table."""
+import json
+import os
+import subprocess
+
+import pytest
+from helpers import REPO_ROOT
+
+ROOT = REPO_ROOT
+# 1 prompt x 2 generations, S = 8 (4 trained transitions: window 4 gives one JAGG group)
+SIZE = ("--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 "
+        "--update_batch_size 2 --h 32 --w 32")
+
+
+def run_script(name, tmp_path, cache_dir, **env):
+    full = dict(os.environ, PRESET="tiny", MODELS="flux", OUT=str(tmp_path / "out"), CACHE_DIR=cache_dir,
+                SIZE_ARGS=SIZE, S_FLUX="8", OMP_NUM_THREADS="1")
+    full.update(env)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", name)], env=full, cwd=str(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, tmp_path / "out"
+
+
+def test_speed_script(tmp_path, cache_dir):
+    text, out = run_script("speed.sh", tmp_path, cache_dir, STEPS="2", BENCH_REPS="1", BENCH_UNIT_REPS="1",
+                           VARIANTS="vanilla jagg authors")   # the micro-benchmark still runs all five modes
+    assert "# Speed benchmark" in text and "| jagg |" in text and "| endpoints |" in text and "| jagg_split |" in text
+    cmp = json.loads((out / "speed/flux/compare/comparison.json").read_text())
+    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg", "authors"]
+    assert all(r["steps"] == 2 for r in cmp["runs"])
+    # one JAGG group of 4 per sample: 2 backwards instead of 4 (2 samples); the authors' variant:
+    # windows (0..3), (4, 5, 6), int(2 * 0.6) = 1 trained per sample, each JAGG: 2 backwards
+    assert cmp["runs"][0]["backwards_per_step"] == 8 and cmp["runs"][1]["backwards_per_step"] == 4
+    assert cmp["runs"][2]["backwards_per_step"] == 4
+    assert "grouping window, alpha index, backward split" in (out / "speed/flux/authors.log").read_text()
+    for png in ("reward_curves.png", "step_times.png"):
+        assert (out / "speed/flux/compare" / png).is_file()
+    bench = json.loads((out / "speed/flux/bench_update.json").read_text())
+    assert set(bench["modes"]) == {"vanilla", "jagg", "jagg_split", "jagg_batched", "jagg_reuse", "jagg_split_reuse",
+                                   "jagg_batched_reuse", "exact", "endpoints"}
+    assert bench["headline"] == "jagg_split_reuse"   # auto on one process, reuse on_policy
+    peaks = bench["activation_peak_mb"]
+    assert 0 < peaks["jagg_split"] < peaks["jagg"]   # one endpoint graph alive instead of two
+    authors = bench["predicted_update_s_authors_schedule"]
+    assert authors["jagg"] > bench["modes"]["jagg"]["predicted_update_s"]   # 2 more no-grad forwards per group
+    assert bench["train_transitions"] == 4 and bench["plan"] == [dict(size=4, jagg=True)]
+    assert "predicted_update_gain" in bench and "Checks on jagg_split_reuse" in (out / "speed/flux/bench_update.md").read_text()
+    assert (out / "speed/speed.md").is_file()
+
+
+def test_fidelity_script(tmp_path, cache_dir):
+    # (window 3 is covered in-process by test_fidelity.py)
+    text, out = run_script("fidelity.sh", tmp_path, cache_dir, WINDOWS="2", ROLLOUTS="2", SAMPLES="2")
+    assert text.count("## Gradient fidelity") == 1
+    for w in (2,):
+        res = json.loads((out / f"fidelity/flux/w{w}/fidelity.json").read_text())
+        assert res["rollouts"] == 2 and res["window"] == w
+        for g in res["groups"]:
+            assert -1.0 <= g["cos_jagg_mean"] <= 1.0
+            if w == 2:
+                assert g["cos_jagg_min"] == pytest.approx(1.0, abs=1e-6)
+        assert (out / f"fidelity/flux/w{w}/fidelity.csv").is_file()
+
+
+def test_quality_script(tmp_path, cache_dir):
+    text, out = run_script("quality.sh", tmp_path, cache_dir, STEPS="2", VARIANTS="vanilla jagg control",
+                           EVAL_PROMPTS="2", EVAL_IMAGES="1", SEEDS="7")
+    base = out / "quality/flux/seed7"
+    cmp = json.loads((base / "compare/comparison.json").read_text())
+    assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg", "control"]
+    # the control is vanilla with permuted advantages (the launch line is in each run's log)
+    assert "--shuffle_advantages" in (base / "control.log").read_text()
+    assert "--shuffle_advantages" not in (base / "vanilla.log").read_text()
+    assert (base / "compare/reward_curves.png").is_file()
+    assert (base / "eval/table.md").is_file() and (base / "eval/comparison.json").is_file()
+    assert "evaluation of the step-2 checkpoints" in text and "vanilla" in (base / "eval/table.md").read_text()
+
+
+def test_digits_script(tmp_path, cache_dir):
+    """Two seeds x two variants x two steps on the shipped digits models, every checkpoint evaluated,
+    the seed report and one fidelity table written."""
+    small = "--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 " \
+            "--update_batch_size 2"
+    text, out = run_script("digits.sh", tmp_path, cache_dir, SIZE_ARGS=small, SEEDS="1 2", STEPS="2", EVAL_EVERY="1",
+                           EVAL_IMAGES="1", VARIANTS="vanilla jagg_window", FID_ROLLOUTS="1", FID_SAMPLES="2",
+                           FID_GROUPINGS="window", PRESET="")   # the script sets its own preset
+    assert "## Quality, flux" in text and "## Fidelity, grouping window" in text
+    report = json.loads((out / "digits/quality/flux/report/report.json").read_text())
+    assert [r["variant"] for r in report["rows"]] == ["vanilla", "jagg_window"]
+    assert report["eval_curves"]["vanilla"]["steps"] == [0, 1, 2]      # base@0, then every checkpoint
+    # vanilla: 4 trained transitions x 2 samples; jagg_window trains one window per sample, JAGG (2
+    # backwards) where jagg_frac routes it, exact (3) in the low-noise window (4, 5, 6)
+    assert report["rows"][0]["backwards_per_step"] == 8 and report["rows"][1]["backwards_per_step"] in (4, 5, 6)
+    assert "grouping window" in (out / "digits/quality/flux/seed1/jagg_window.log").read_text()
+    assert (out / "digits/quality/flux/report/curves.png").is_file()
+    fid = json.loads((out / "digits/fidelity_window/fidelity/flux/w4/fidelity.json").read_text())
+    assert fid["grouping"] == "window" and fid["rollouts"] == 1
+
+
+def test_gpu_check_refuses_at_once_without_cuda(tmp_path):
+    """benchmarks/gpu_check.sh is for a CUDA machine; here (no GPU) it must stop before any work."""
+    import time
+    start = time.time()
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh")], cwd=str(tmp_path),
+                          env=dict(os.environ, OUT=str(tmp_path / "out")), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and "no CUDA device" in proc.stderr and "nothing was run" in proc.stderr
+    assert not (tmp_path / "out").exists() and time.time() - start < 60
+
+
+def test_flow_grpo_fast_script(tmp_path, cache_dir):
+    """benchmarks/flow_grpo_fast.sh: the Flux Flow-GRPO-Fast recipe (6 steps, window 3 in (0, 3), cps)
+    through the train script into the micro-benchmark; the window's 3 transitions are one JAGG group."""
+    text, out = run_script("flow_grpo_fast.sh", tmp_path, cache_dir, BENCH_REPS="1",
+                           BENCH_MODES="vanilla,jagg_split,jagg_split_reuse")
+    assert "# Flow-GRPO-Fast + JAGG (window K=3)" in text and "the paper's Flow-GRPO-Fast figure" in text
+    bench = json.loads((out / "flow_grpo_fast/flux/bench_update.json").read_text())
+    assert bench["sampling_steps"] == 6 and bench["sde_window_size"] == 3 and bench["train_transitions"] == 3
+    assert bench["plan"] == [dict(size=3, jagg=True)] and bench["headline"] == "jagg_split_reuse"
+    assert set(bench["modes"]) == {"vanilla", "jagg_split", "jagg_split_reuse"}

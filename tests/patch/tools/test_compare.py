@@ -1,0 +1,114 @@
+"""jagg_patch.tools.compare on two synthetic metrics files: values equal hand-computed ones, plots written,
+bad input exits 2 with a message."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jagg_patch.tools.compare import compare, main, markdown_table, moving_average
+
+COUNTS_VANILLA = dict(transformer_forwards_grad=36, transformer_forwards_nograd=64, transformer_backwards=36)
+COUNTS_JAGG = dict(transformer_forwards_grad=20, transformer_forwards_nograd=80, transformer_backwards=20,
+                   activation_peak_mb=114.5)   # runs from before the metric existed have none
+
+
+def write_run(path, rewards, step_times, rollout_times, counts, extra_lines=()):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        for i, (r, t, ro) in enumerate(zip(rewards, step_times, rollout_times), 1):
+            f.write(json.dumps(dict(step=i, reward_mean=r, step_time_s=t, rollout_time_s=ro,
+                                    update_time_s=t - ro, **counts)) + "\n")
+        for line in extra_lines:
+            f.write(line + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def two_runs(tmp_path):
+    # vanilla: 5 steps; step 1 is warm-up (slow) and left out of the medians (skip_first=1).
+    a = write_run(tmp_path / "vanilla", [1.0, 2.0, 3.0, 4.0, 5.0], [9.0, 4.0, 5.0, 6.0, 4.0],
+                  [5.0, 2.0, 2.0, 2.0, 2.0], COUNTS_VANILLA)
+    # jagg: 4 steps, plus a re-logged step 4 (after a resume): the last record of a step wins.
+    b = write_run(tmp_path / "jagg", [0.0, 4.0, 2.0, 1.0], [8.0, 3.0, 4.0, 3.5], [4.0, 2.0, 2.0, 2.0], COUNTS_JAGG,
+                  extra_lines=[json.dumps(dict(step=4, reward_mean=6.0, step_time_s=3.0, rollout_time_s=2.0,
+                                               update_time_s=1.0, **COUNTS_JAGG))])
+    return a, b
+
+
+def test_moving_average_by_hand():
+    assert moving_average([1, 2, 3, 4, 5], 3) == [1.0, 1.5, 2.0, 3.0, 4.0]
+
+
+def test_table_values_by_hand(two_runs):
+    rows, curves = compare(list(two_runs), ["vanilla", "jagg"], ma_window=3, skip_first=1)
+    v, j = rows
+    assert (v["steps"], j["steps"]) == (5, 4)
+    # medians over steps 2.. : vanilla times 4,5,6,4 -> 4.5; rollouts 2 -> 2; updates 2,3,4,2 -> 2.5
+    assert v["step_time_s"] == pytest.approx(4.5)
+    assert v["rollout_time_s"] == pytest.approx(2.0)
+    assert v["update_time_s"] == pytest.approx(2.5)
+    # jagg steps 2..4 (step 4 re-logged as 3.0): times 3,4,3 -> 3; updates 1,2,1 -> 1
+    assert j["step_time_s"] == pytest.approx(3.0)
+    assert j["update_time_s"] == pytest.approx(1.0)
+    assert (v["forwards_grad_per_step"], v["forwards_nograd_per_step"], v["backwards_per_step"]) == (36, 64, 36)
+    assert (j["forwards_grad_per_step"], j["backwards_per_step"]) == (20, 20)
+    assert j["activation_peak_mb"] == pytest.approx(114.5) and math.isnan(v["activation_peak_mb"])
+    assert "| 114.5 |" in markdown_table(rows) and "| n/a |" in markdown_table(rows)
+    # MA(3): vanilla [1, 1.5, 2, 3, 4] -> final 4, best over full windows max(2, 3, 4) = 4
+    assert v["final_ma_reward"] == pytest.approx(4.0) and v["best_ma_reward"] == pytest.approx(4.0)
+    # jagg rewards [0, 4, 2, 6]: MA [0, 2, 2, 4] -> final 4; full windows (2, 4) -> best 4
+    assert curves["jagg"]["reward"] == [0.0, 4.0, 2.0, 6.0]
+    assert j["final_ma_reward"] == pytest.approx(4.0) and j["best_ma_reward"] == pytest.approx(4.0)
+    # speedups vs the first run: 1 - 3/4.5 = 1/3; update 1 - 1/2.5 = 0.6; ratios 1.5x, 2.5x
+    assert v["step_speedup"] == pytest.approx(0.0)
+    assert j["step_speedup"] == pytest.approx(1 / 3)
+    assert j["step_speedup_ratio"] == pytest.approx(1.5)
+    assert j["update_speedup"] == pytest.approx(0.6)
+    assert j["update_speedup_ratio"] == pytest.approx(2.5)
+    table = markdown_table(rows)
+    assert "| jagg | 4 | 3.000 | 2.000 | 1.000 | 20 | 80 | 20 | 114.5 | 4.0000 | 4.0000 | +33.3% (1.50x) | +60.0% (2.50x) |" \
+        in table
+
+
+def test_short_run_window_and_cli_outputs(two_runs, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rows = main([*two_runs, "--labels", "vanilla,jagg", "--out", str(out), "--ma_window", "10"])
+    # windows longer than a run shrink to the run: MA over all 5 / all 4 steps
+    assert rows[0]["ma_window"] == 5 and rows[0]["final_ma_reward"] == pytest.approx(3.0)
+    assert rows[1]["ma_window"] == 4 and rows[1]["best_ma_reward"] == pytest.approx(3.0)
+    printed = capsys.readouterr().out
+    assert "| run | steps | step s |" in printed and "speedup" in printed
+    for name in ("comparison.json", "comparison.csv", "comparison.md", "rewards.csv", "reward_curves.png",
+                 "step_times.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "reward_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "comparison.json").read_text())
+    assert [r["label"] for r in data["runs"]] == ["vanilla", "jagg"]
+    assert len((out / "rewards.csv").read_text().splitlines()) == 1 + 5 + 4
+
+
+@pytest.mark.parametrize("case", ["missing", "no_metrics", "empty", "malformed"])
+def test_bad_input_exits_2(tmp_path, case, two_runs, capsys):
+    bad = tmp_path / "bad"
+    if case != "missing":
+        bad.mkdir()
+    if case == "empty":
+        (bad / "metrics.jsonl").write_text("\n")
+    if case == "malformed":
+        (bad / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 1.0}\nnot json\n')
+    expected = {"missing": "does not exist", "no_metrics": "metrics.jsonl", "empty": "no steps",
+                "malformed": ":2: not a JSON line"}[case]
+    argv = [two_runs[0], str(bad), "--no_plots"]
+    if case == "missing":  # once through the real command line: message, no traceback, exit 2
+        proc = subprocess.run([sys.executable, "-m", "jagg_patch.tools.compare", *argv], capture_output=True, text=True)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("error: ") and "Traceback" not in proc.stderr
+        assert expected in proc.stderr
+        return
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert expected in capsys.readouterr().err

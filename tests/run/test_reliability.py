@@ -1,0 +1,426 @@
+"""Nothing lost, nothing silently wrong: output-folder locks, resume, NaN stops, metrics after a
+resume, signals, early checks and disk. Each test reproduces a failure a user met."""
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dancegrpo.utils import checkpoint as ckpt
+from dancegrpo.utils import optimizer_shards
+from dancegrpo import train_grpo_flux, train_grpo_qwenimage
+from dancegrpo.errors import ConfigError, DiskFullError, MissingFileError, NonFiniteError
+from dancegrpo.run.rundir import RunLock
+
+from helpers import FAST, REPO_ROOT
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+REPO = REPO_ROOT
+
+
+def metrics(folder):
+    with open(os.path.join(folder, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def weights(folder):
+    return load_file(os.path.join(folder, WEIGHTS))
+
+
+def cli(module, *argv, **kw):
+    return subprocess.Popen([sys.executable, "-m", module, *map(str, argv)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def wait_for_steps(folder, n, proc, limit=120):
+    """Block until metrics.jsonl in `folder` holds n lines (or the process ended)."""
+    path = os.path.join(folder, "metrics.jsonl")
+    deadline = time.time() + limit
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(path) and open(path).read().count("\n") >= n:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"{path} did not reach {n} steps: {proc.poll()} {proc.stderr.read() if proc.poll() else ''}")
+
+
+# ------------------------------------------------------------------ 1. one run per output folder
+def test_a_locked_output_folder_is_refused_naming_the_holder(make_args, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from dancegrpo.run.rundir import RunLock; "
+                               f"RunLock({str(out)!r}, 'other').acquire(); print('locked', flush=True); "
+                               "time.sleep(60)"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {holder.pid} on .*, started "):
+            train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
+        assert not os.path.exists(out / "metrics.jsonl")
+    finally:
+        holder.kill()
+        holder.wait()
+    # The holder died without releasing: its lock is stale and is taken over with a notice.
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
+    assert [r["step"] for r in metrics(out)] == [1]
+
+
+def test_stale_lock_notice(make_args, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".run.lock").write_text(json.dumps({"pid": 999999, "host": "gone", "started": "2026-01-01T00:00:00"}))
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
+    printed = capsys.readouterr().out
+    assert "took over a stale lock" in printed and "pid 999999 on gone" in printed
+
+
+def test_a_used_folder_is_refused_unless_resumed_or_overwritten(make_args, tmp_path):
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out))
+    before = metrics(out)
+    with pytest.raises(ConfigError, match="already holds a run.*--resume_from_checkpoint latest.*"
+                                          "--overwrite_output_dir.*another --output_dir"):
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out))
+    assert metrics(out) == before  # nothing appended, nothing overwritten
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out, "--overwrite_output_dir"))
+    assert [r["step"] for r in metrics(out)] == [1]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1-0"]
+
+
+def test_the_lock_is_released_when_a_run_fails(make_args, tmp_path, monkeypatch):
+    from dancegrpo.engines import fsdp
+    monkeypatch.setattr(fsdp, "clip_grad_norm", lambda model, max_norm: float("nan"))
+    out = tmp_path / "out"
+    with pytest.raises(NonFiniteError):
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
+    RunLock(str(out), "next").acquire().release()  # would raise if the failed run still held it
+
+
+# ------------------------------------------------------------------ 2. resume, both families
+@pytest.mark.parametrize("module", [train_grpo_qwenimage, train_grpo_flux], ids=["qwenimage", "flux"])
+def test_resume_is_bit_exact(make_args, tmp_path, module):
+    name = module.__name__
+
+    def args(*extra):
+        return make_args(*FAST, *extra, module=name)
+    module.main(args("--max_train_steps", 3, "--output_dir", tmp_path / "a"))
+    module.main(args("--max_train_steps", 2, "--output_dir", tmp_path / "b"))
+    module.main(args("--max_train_steps", 3, "--output_dir", tmp_path / "b", "--resume_from_checkpoint", "latest"))
+    wa, wb = (weights(tmp_path / r / "checkpoint-3-0") for r in "ab")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    ra, rb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
+
+
+def test_params_without_gradient_keep_no_optimizer_state(make_args, tmp_path):
+    """Qwen-Image's last block's text-stream output gets no gradient: the saved AdamW state
+    lacks it and resuming must accept that (it failed on every Qwen checkpoint)."""
+    train_grpo_qwenimage.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", tmp_path / "q",
+                                        module="dancegrpo.train_grpo_qwenimage"))
+    saved = optimizer_shards.saved_parameters(str(tmp_path / "q" / "checkpoint-1-0" / "optimizer"))
+    assert "transformer_blocks.0.attn.to_add_out.weight" not in saved
+    assert "transformer_blocks.0.attn.to_out.0.weight" in saved and "proj_out.weight" in saved
+
+
+# ------------------------------------------------------------------ 3. never train on NaN
+def test_diverging_run_stops_with_exit_3_and_clean_checkpoints(cache_dir, tmp_path):
+    out = tmp_path / "o"
+    proc = cli("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
+               "--max_train_steps", 8, "--checkpointing_steps", 1, "--learning_rate", "1e8",
+               *[str(a) for a in FAST])
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err
+    assert "is not finite at step" in err and "--learning_rate" in err and "Traceback" not in err
+    saved = [p for p in os.listdir(out) if p.startswith("checkpoint")]
+    assert len(saved) < 8
+    for name in saved:
+        assert all(torch.isfinite(t).all() for t in weights(out / name).values())
+
+
+@pytest.mark.parametrize("quantity", ["loss", "grad norm"])
+def test_nonfinite_loss_or_grad_norm_stops_before_the_optimizer_step(make_args, tmp_path, monkeypatch, quantity):
+    from dancegrpo.algo import grpo
+    from dancegrpo import trainer
+    from dancegrpo.engines import fsdp
+    calls = {"step": 0}
+    real_clip, real_update = fsdp.clip_grad_norm, grpo.policy_update
+
+    def clip(model, max_norm):  # NaN at the second step only
+        return float("nan") if quantity == "grad norm" and calls["step"] == 2 else real_clip(model, max_norm)
+
+    def update(batch):
+        stats = real_update(batch)
+        if quantity == "loss" and calls["step"] == 2:
+            stats.loss = float("inf")
+        return stats
+
+    def counting_step(ctx):
+        calls["step"] = ctx.step
+        return trainer.train_one_step(ctx, update, grpo.select_train_steps)
+    monkeypatch.setattr(fsdp, "clip_grad_norm", clip)
+    monkeypatch.setattr(train_grpo_flux, "train_one_step", counting_step)
+    args = make_args(*FAST, "--max_train_steps", 3, "--checkpointing_steps", 1)
+    with pytest.raises(NonFiniteError, match=f"{quantity}.* is not finite at step 2 .*What to try"):
+        train_grpo_flux.main(args)
+    assert [r["step"] for r in metrics(args.output_dir)] == [1]
+    assert sorted(p for p in os.listdir(args.output_dir) if not p.startswith(".")) == \
+        ["checkpoint-1-0", "metrics.jsonl", "reward.txt"]
+
+
+@pytest.mark.parametrize("spec,message", [("jpeg=nan", "not a finite number"), ("jpeg=inf", "not a finite number"),
+                                          ("jpeg=0", "Every reward weight")])
+def test_reward_weights_are_validated(make_args, capsys, spec, message):
+    with pytest.raises(SystemExit) as exc:
+        make_args("--reward", spec)
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_infinite_weighted_reward_stops(make_args, monkeypatch):
+    from dancegrpo.rewards import builtin
+    monkeypatch.setattr(builtin, "jpeg_kilobytes", lambda im, quality=95: 3e38)
+    with pytest.raises(NonFiniteError, match="reward is not finite at step 1"):
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--reward", "jpeg=10"))
+
+
+# ------------------------------------------------------------------ 4. metrics after a resume
+def test_resume_cuts_metrics_back_and_repairs_a_torn_line(make_args, tmp_path):
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 3, "--checkpointing_steps", 2, "--output_dir", out))
+    # A crash after step 3's metrics but before its checkpoint, mid-way through writing step 4's line.
+    shutil.rmtree(out / "checkpoint-3-0")
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward_me')
+    with open(out / "reward.txt", "a") as f:
+        f.write("-4.1")
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--output_dir", out,
+                                   "--resume_from_checkpoint", "latest"))
+    records = metrics(out)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert len({r["run_id"] for r in records[:2]}) == 1 and records[2]["run_id"] != records[0]["run_id"]
+    assert records[2]["run_id"] == records[3]["run_id"]
+    rewards = [float(x) for x in (out / "reward.txt").read_text().split("\n") if x]
+    assert rewards == [r["reward_mean"] for r in records]
+
+
+def test_compare_reads_a_torn_last_line_as_missing_and_flags_nan(tmp_path, capsys):
+    from jagg_patch.tools.compare import compare, markdown_table
+    for name, rewards in (("ok", [1.0, 2.0, 3.0, 4.0]), ("nan", [1.0, float("nan"), 9.0])):
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": i + 1, "reward_mean": r, "step_time_s": 1.0, "update_time_s": 0.5})
+                 for i, r in enumerate(rewards)]
+        (tmp_path / name / "metrics.jsonl").write_text("\n".join(lines) + ("\n" if name == "nan" else '\n{"step": 5, "rew'))
+    rows, _ = compare([str(tmp_path / "ok"), str(tmp_path / "nan")], ma_window=1)
+    err = capsys.readouterr().err
+    assert rows[0]["steps"] == 4 and "torn last line" in err
+    assert "different lengths" in err and "too few for a timing claim" in err
+    assert rows[1]["nonfinite"] == "reward_mean at steps [2]" and rows[1]["best_ma_reward"] != 9.0
+    assert "nan (NON-FINITE)" in markdown_table(rows)
+
+
+# ------------------------------------------------------------------ 5. resume reproduces or says why not
+def test_resume_without_seed_uses_the_checkpoints_seed(make_args, tmp_path, capsys):
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--seed", 7, "--output_dir", tmp_path / "a"))
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--seed", 7, "--output_dir", tmp_path / "b"))
+    capsys.readouterr()
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", tmp_path / "b",
+                                   "--resume_from_checkpoint", "latest"))
+    assert "using the checkpoint's seed 7" in capsys.readouterr().out
+    wa, wb = weights(tmp_path / "a" / "checkpoint-2-0"), weights(tmp_path / "b" / "checkpoint-2-0")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_resume_with_changed_flags_lists_them(make_args, tmp_path, capsys):
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
+    with pytest.raises(ConfigError, match=r"--learning_rate: 0.01 in the checkpoint, 0.001 now; --sampling_steps: "
+                                          r"8 in the checkpoint, 6 now.*--allow_config_change"):
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--learning_rate", 1e-3,
+                                       "--sampling_steps", 6, "--resume_from_checkpoint", "latest"))
+    assert [r["step"] for r in metrics(out)] == [1]
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--learning_rate", 1e-3,
+                                   "--resume_from_checkpoint", "latest", "--allow_config_change"))
+    assert "warning: --allow_config_change" in capsys.readouterr().out
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_latest_skips_weights_only_and_corrupt_checkpoints(make_args, tmp_path, capsys):
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 3, "--checkpointing_steps", 1, "--output_dir", out))
+    os.remove(out / "checkpoint-3-0" / "training_state.pt")                 # weights only
+    data = (out / "checkpoint-2-0" / WEIGHTS).read_bytes()
+    (out / "checkpoint-2-0" / WEIGHTS).write_bytes(data[: len(data) // 2])   # torn by a crash
+    os.makedirs(out / "checkpoint-9-0")                                      # empty
+    assert ckpt.latest_checkpoint(str(out)) == str(out / "checkpoint-1-0")
+    with pytest.raises(ConfigError, match="damaged .*truncated"):  # named explicitly: refused, not skipped
+        ckpt.resolve_resume_path(str(out / "checkpoint-2-0"), str(out))
+    capsys.readouterr()
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out,
+                                   "--resume_from_checkpoint", "latest"))
+    printed = capsys.readouterr().out
+    assert "skipping" in printed and "checkpoint-3-0" in printed and "weights only" in printed
+    assert "checkpoint-2-0" in printed and "truncated" in printed
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert ckpt.checkpoint_problem(str(out / "checkpoint-2-0")) is None  # rewritten whole by the resumed run
+
+
+# ------------------------------------------------------------------ 6. signals
+def test_sigterm_saves_a_checkpoint_and_exits_143(cache_dir, tmp_path):
+    out = tmp_path / "o"
+    proc = cli("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
+               "--max_train_steps", 500, *FAST)
+    wait_for_steps(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    last = metrics(out)[-1]["step"]
+    assert f"SIGTERM after step {last}: saved" in err and "Traceback" not in err
+    assert ckpt.checkpoint_problem(str(out / f"checkpoint-{last}-0")) is None
+
+
+def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
+    """2 ranks with the tiny preset's defaults (batch and GA split over the ranks)."""
+    out = tmp_path / "o"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                                 "2", "-m", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                                 "--output_dir", str(out), "--max_train_steps", "500"],
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, 1, launcher, limit=240)
+    workers = [int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                              text=True).stdout.split()]
+    assert len(workers) == 2
+    launcher.kill()
+    launcher.wait()
+    deadline = time.time() + 90
+    while time.time() < deadline and any(_alive(p) for p in workers):
+        time.sleep(0.5)
+    assert not any(_alive(p) for p in workers), "workers outlived their launcher"
+    assert metrics(out)[0]["world_size"] == 2 and metrics(out)[0]["samples"] == 128
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------------ 7. early checks
+def _no_model_loading(monkeypatch):
+    from dancegrpo.models.base import ModelFamily
+
+    def refuse(*a, **kw):
+        raise AssertionError("a model was loaded before the input was checked")
+    monkeypatch.setattr(ModelFamily, "load", refuse)
+
+
+def test_a_missing_embedding_file_is_found_before_loading(make_args, tmp_path, monkeypatch):
+    data = tmp_path / "data"
+    shutil.copytree(os.path.dirname(make_args().data_json_path), data)
+    victim = sorted(os.listdir(data / "prompt_embed"))[-1]
+    os.remove(data / "prompt_embed" / victim)
+    _no_model_loading(monkeypatch)
+    with pytest.raises(MissingFileError, match=f"1 embedding file.*{victim}"):
+        train_grpo_flux.main(make_args("--data_json_path", data / "prompts.json"))
+
+
+@pytest.mark.parametrize("content,message", [("", "empty file"), ("[{", "not valid JSON")])
+def test_bad_prompt_json_names_the_file(make_args, tmp_path, monkeypatch, content, message):
+    bad = tmp_path / "prompts.json"
+    bad.write_text(content)
+    _no_model_loading(monkeypatch)
+    with pytest.raises(ConfigError, match=f"{bad}.*{message}"):
+        train_grpo_flux.main(make_args("--data_json_path", bad))
+
+
+def test_an_unwritable_output_folder_is_found_before_loading(make_args, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("x")
+    _no_model_loading(monkeypatch)
+    with pytest.raises(ConfigError, match="is not writable"):
+        train_grpo_flux.main(make_args("--output_dir", tmp_path / "file" / "out"))
+
+
+@pytest.mark.parametrize("damage", ["config", "weights"])
+def test_broken_model_files_give_one_message(cache_dir, tmp_path, make_args, damage):
+    model = tmp_path / "model"
+    shutil.copytree(make_args().pretrained_model_name_or_path, model, ignore=shutil.ignore_patterns("data"))
+    target = model / "transformer" / ("config.json" if damage == "config" else WEIGHTS)
+    target.write_bytes(target.read_bytes()[:40])
+    proc = cli("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+               tmp_path / "o", "--pretrained_model_name_or_path", model)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2
+    assert err.count("\n") == 1 and str(target) in err and "download the weights again" in err
+
+
+@pytest.mark.parametrize("value", ["-1e-3", "0", "-2"])
+def test_non_positive_learning_rate_is_rejected(make_args, capsys, value):
+    with pytest.raises(SystemExit):
+        make_args("--learning_rate", value)
+    assert f"--learning_rate must be a positive number, got {float(value)}" in capsys.readouterr().err
+
+
+def test_a_flag_error_is_short(cache_dir):
+    proc = cli("dancegrpo.train_grpo_qwenimage", "--preset", "tiny", "--cache_dir", cache_dir, "--bogus")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.count("\n") == 2
+    assert "unrecognized arguments: --bogus" in err and "--help" in err
+
+
+def test_tiny_preset_splits_its_batch_over_ranks():
+    from dancegrpo.presets import PRESETS, spec_defaults_for_world
+    spec = PRESETS[("flux", "tiny")]
+    one = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], 1)
+    two = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], 2)
+    assert two["train_batch_size"] * 2 == one["train_batch_size"] <= spec["num_prompts"]
+    assert two["gradient_accumulation_steps"] * 2 == one["gradient_accumulation_steps"]
+
+
+# ------------------------------------------------------------------ 8. disk
+def test_checkpoints_total_limit_keeps_the_newest(make_args, tmp_path):
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--checkpointing_steps", 1,
+                                   "--checkpoints_total_limit", 2, "--output_dir", out))
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-4-0"]
+    # A resumed run never deletes the checkpoint it resumed from.
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 5, "--checkpointing_steps", 1,
+                                   "--checkpoints_total_limit", 1, "--output_dir", out,
+                                   "--resume_from_checkpoint", out / "checkpoint-3-0"))
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-5-0"]
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(make_args, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    real_save = torch.save
+
+    def save(obj, path, *a, **kw):
+        if "checkpoint-2-0" in str(path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, path, *a, **kw)
+    monkeypatch.setattr(ckpt.torch, "save", save)
+    with pytest.raises(DiskFullError, match="no space left.*checkpoint-1-0' is intact.*--checkpoints_total_limit"):
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 3, "--checkpointing_steps", 1,
+                                       "--output_dir", out))
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1-0"]
+    assert ckpt.checkpoint_problem(str(out / "checkpoint-1-0")) is None
+
+
+def test_checkpoint_files_follow_the_umask(make_args, tmp_path):
+    old = os.umask(0o022)
+    try:
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", tmp_path / "out"))
+    finally:
+        os.umask(old)
+    folder = tmp_path / "out" / "checkpoint-1-0"
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            assert os.stat(os.path.join(root, name)).st_mode & 0o777 == 0o755, name
+        for name in files:
+            assert os.stat(os.path.join(root, name)).st_mode & 0o777 == 0o644, name
+    assert os.listdir(folder / "optimizer")  # the shards are among the files checked
