@@ -17,16 +17,30 @@ SMALL = ["--train_batch_size", "2", "--num_generations", "4", "--gradient_accumu
          "--checkpointing_steps", "1"]
 
 
-def train(cache_dir, out, *flags, module="dancegrpo.train_grpo_flux", check=True):
+def start(cache_dir, out, *flags, module="dancegrpo.train_grpo_flux"):
+    """A training run in its own process, one thread (runs side by side stay bit-comparable)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    proc = subprocess.run([sys.executable, "-m", module, "--preset", "tiny", "--cache_dir", cache_dir,
-                           "--output_dir", str(out), *SMALL, *map(str, flags)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-m", module, "--preset", "tiny", "--cache_dir", cache_dir,
+                             "--output_dir", str(out), *SMALL, *map(str, flags)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc, check=True):
+    proc.stdout, proc.stderr = proc.communicate(timeout=600)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc
+
+
+def train(cache_dir, out, *flags, module="dancegrpo.train_grpo_flux", check=True):
+    return finish(start(cache_dir, out, *flags, module=module), check)
+
+
+def side_by_side(*runs):
+    """Start every (cache_dir, out, *flags) run at once; wait for all."""
+    return [finish(proc) for proc in [start(*run) for run in runs]]
 
 
 def zero(stage):
@@ -46,27 +60,29 @@ def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(cache_dir, tm
     """Measured: ZeRO-2 bit-equal to the plain single-process run after 2 steps, ZeRO-3 9.7e-7 off
     (tolerance 1e-5: the reduction order of another CPU may differ; a step moves weights ~1e-2); a resume (2 steps, then 1 more from checkpoint-2-0) bit-equal to 3 unbroken steps, with
     the EMA under ZeRO-2."""
-    train(cache_dir, tmp_path / "plain", "--max_train_steps", 2)
+    ema = {2: ["--use_ema"], 3: []}
+    stages = ((2, 0.0), (3, 1e-5))
+    side_by_side((cache_dir, tmp_path / "plain", "--max_train_steps", 2),
+                 *[(cache_dir, tmp_path / f"z{stage}", *zero(stage), "--max_train_steps", 3, *ema[stage])
+                   for stage, _ in stages],
+                 *[(cache_dir, tmp_path / f"z{stage}_part", *zero(stage), "--max_train_steps", 2, *ema[stage])
+                   for stage, _ in stages])
+    resumed = side_by_side(*[(cache_dir, tmp_path / f"z{stage}_part", *zero(stage), "--max_train_steps", 3,
+                              *ema[stage], "--resume_from_checkpoint", "latest") for stage, _ in stages])
     plain = weights(tmp_path / "plain" / "checkpoint-2-0")
-    for stage, tol in ((2, 0.0), (3, 1e-5)):
-        ema = ["--use_ema"] if stage == 2 else []
-        run = train(cache_dir, tmp_path / f"z{stage}", *zero(stage), "--max_train_steps", 3, *ema)
+    for (stage, tol), run in zip(stages, resumed):
         assert f"(DeepSpeed ZeRO-{stage})" in run.stdout and "training state:" in run.stdout
         assert max_diff(weights(tmp_path / f"z{stage}" / "checkpoint-2-0"), plain) <= tol
         assert os.path.isdir(tmp_path / f"z{stage}" / "checkpoint-2-0" / "deepspeed")
-        part = tmp_path / f"z{stage}_part"
-        train(cache_dir, part, *zero(stage), "--max_train_steps", 2, *ema)
-        train(cache_dir, part, *zero(stage), "--max_train_steps", 3, *ema, "--resume_from_checkpoint", "latest")
-        full = tmp_path / f"z{stage}" / "checkpoint-3-0"
-        assert max_diff(weights(part / "checkpoint-3-0"), weights(full)) == 0.0
-        if ema:
-            assert max_diff(weights(part / "checkpoint-3-0" / "ema"), weights(full / "ema")) == 0.0
+        part, full = tmp_path / f"z{stage}_part" / "checkpoint-3-0", tmp_path / f"z{stage}" / "checkpoint-3-0"
+        assert max_diff(weights(part), weights(full)) == 0.0
+        if ema[stage]:
+            assert max_diff(weights(part / "ema"), weights(full / "ema")) == 0.0
 
 
 def test_lora_under_zero2_equals_lora_without_it(cache_dir, tmp_path):
     lora = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-2", "--max_train_steps", 2]
-    train(cache_dir, tmp_path / "plain", *lora)
-    train(cache_dir, tmp_path / "z2", *lora, *zero(2))
+    side_by_side((cache_dir, tmp_path / "plain", *lora), (cache_dir, tmp_path / "z2", *lora, *zero(2)))
     name = "pytorch_lora_weights.safetensors"
     a, b = weights(tmp_path / "plain" / "checkpoint-2-0", name), weights(tmp_path / "z2" / "checkpoint-2-0", name)
     assert max_diff(a, b) == 0.0 and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
