@@ -23,11 +23,13 @@ def test_installed_package_runs_from_any_folder(tmp_path):
         assert len(list((shipped / "data" / "prompt_embed").glob("*.pt"))) == 40
     elsewhere.mkdir()
     env = {**os.environ, "PYTHONPATH": str(target)}
-    for module in ("jagg_patch.tools.compare", "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage",
-                   "dancegrpo.evaluate", "jagg_patch", "jagg_patch.upstream"):
-        run = subprocess.run([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env, capture_output=True,
-                             text=True, timeout=300)
-        assert run.returncode == 0 and "usage" in run.stdout.lower(), (module, run.stderr[-2000:])
+    modules = ("jagg_patch.tools.compare", "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage",
+               "dancegrpo.evaluate", "jagg_patch", "jagg_patch.upstream")
+    helps = {module: subprocess.Popen([sys.executable, "-m", module, "--help"], cwd=elsewhere, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for module in modules}
+    for module, proc in helps.items():
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "usage" in out.lower(), (module, err[-2000:])
     where = subprocess.run([sys.executable, "-c", "import dancegrpo, jagg_patch; print(dancegrpo.__file__)"],
                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120).stdout
     assert where.startswith(str(target)), where
