@@ -240,6 +240,9 @@ def test_grads_zeroed_at_step_start(preset_cache, tmp_path):
     assert record["grad_norm"] < 1e3
 
 
+STEPS = "20"
+
+
 @pytest.mark.slow
 def test_tiny_preset_learns_vs_shuffled_control(preset_cache, tmp_path):
     """20 steps of the tiny preset: JPEG compressibility rises clearly above the
@@ -250,7 +253,7 @@ def test_tiny_preset_learns_vs_shuffled_control(preset_cache, tmp_path):
                 "jagg": ["-m", "jagg_patch", "dancegrpo.train_grpo_qwenimage"]}
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
     procs = {name: subprocess.Popen([sys.executable, *cmd, "--preset", "tiny", "--cache_dir", preset_cache,
-                                     "--output_dir", str(tmp_path / name), "--max_train_steps", "20"],
+                                     "--output_dir", str(tmp_path / name), "--max_train_steps", STEPS],
                                     cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for name, cmd in launches.items()}
     for proc in procs.values():
