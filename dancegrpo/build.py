@@ -97,8 +97,7 @@ def setup(args, family, plan=None):
     ctx.extra["dataset"] = dataset
     ctx.extra["num_params"] = num_params
     ctx.extra["num_trainable"] = num_trainable
-    ctx.extra["weights_format"] = weights_format
-    ctx.extra["adapter"] = adapter
+    ctx.extra["adapter"] = adapter   # what is trained: its weights format, reference and banner text
     if args.kl_beta > 0:
         def run(module, latents, timesteps, cond):
             with compute_autocast(device, args.mixed_precision):

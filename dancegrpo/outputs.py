@@ -18,7 +18,7 @@ def save(ctx, step):
     finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
     require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
                    " (checked before writing a checkpoint, which was not written)")
-    weights_format = ctx.extra.get("weights_format", ckpt.FullWeights())
+    weights_format = ctx.extra["adapter"].weights_format
     ema_state = None
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
