@@ -236,6 +236,7 @@ def _train(args, family, train_one_step_fn, plan, run_id, stops):
     if main:
         write_reward_curve(writer, args.output_dir)
         print(f"done: {writer.summary()}" + (f" | checkpoint {last_saved}" if last_saved else ""), flush=True)
+    ctx.engine.close()
     shutdown()
     return writer.history
 

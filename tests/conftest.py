@@ -9,6 +9,13 @@ from dancegrpo.args import parse_args
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # test helper modules
 
+# One thread per process, here and in every process a test starts: the models are tiny, two threads
+# on a 2-core machine shared with the test's other processes cost more than they give (measured on
+# a third of the suite: 231 s with the default threads, 208 s with one), and runs compared bit for
+# bit between this process and a subprocess then reduce in the same order.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: multi-run learning checks (~1 min); still run in CI")
@@ -63,3 +70,23 @@ def tiny_hf_clip(tmp_path_factory):
 def preset_cache(cache_dir):
     """Alias used by the Qwen-Image and preprocessing tests."""
     return cache_dir
+
+
+@pytest.fixture(scope="session")
+def dist_checks(request, cache_dir, tmp_path_factory):
+    """The two-rank checks of every selected test (its `dist_result` parameter, see
+    helpers.dist_check), run in ONE torchrun launch of tests/dist/run_checks.py on first use."""
+    from helpers import DistChecks
+    specs = {}
+    for item in request.session.items:
+        spec = item.callspec.params.get("dist_result") if hasattr(item, "callspec") else None
+        if spec is not None:
+            name = spec[0]
+            assert specs.setdefault(name, spec) == spec, f"two different two-rank checks are named {name}"
+    return DistChecks(list(specs.values()), cache_dir, tmp_path_factory.mktemp("dist_checks"))
+
+
+@pytest.fixture
+def dist_result(request, dist_checks):
+    """This test's two-rank check result (rank 0's JSON)."""
+    return dist_checks.result(request.param[0])

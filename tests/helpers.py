@@ -116,3 +116,102 @@ def keep_rollout_outputs(ctx, rollout, cond):
         rollout.outputs = torch.stack([predict_velocity(ctx, rollout.latents[:, k],
                                                                 ctx.timesteps[k].expand(n).double(), cond)
                                        for k in range(rollout.latents.shape[1] - 1)], dim=1)
+
+
+# ---------------------------------------------------------------- two-rank checks, one launch
+
+def dist_check(name, check, flags=()):
+    """A `dist_result` parameter: the named two-rank check (one of tests/dist/run_checks.py's
+    CHECKS) with these flags. Use with `@pytest.mark.parametrize("dist_result", [...], indirect=True,
+    ids=dist_id)`."""
+    return name, check, tuple(str(f) for f in flags)
+
+
+def dist_id(value):
+    """The test id of a dist_check parameter: its name."""
+    return value[0] if isinstance(value, tuple) else None
+
+
+class DistChecks:
+    """Runs every requested check in one `torchrun --nproc_per_node 2` launch, at the first
+    result asked for, and hands each test its own."""
+
+    def __init__(self, specs, cache_dir, out_dir):
+        self.specs, self.cache_dir, self.out_dir = specs, cache_dir, out_dir
+        self.proc = None
+
+    def _launch(self):
+        import json
+        import subprocess
+        import sys
+        specs = self.out_dir / "specs.json"
+        specs.write_text(json.dumps([dict(name=n, check=c, flags=list(f)) for n, c, f in self.specs]))
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
+               os.path.join(TESTS_DIR, "dist", "run_checks.py"), self.cache_dir, str(self.out_dir), str(specs)]
+        self.proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env, cwd=str(self.out_dir))
+
+    def result(self, name):
+        import json
+        import pytest
+        if self.proc is None:
+            self._launch()
+        path = self.out_dir / f"{name}.json"
+        if not path.is_file():
+            pytest.fail(f"two-rank check {name} wrote no result (launch exit {self.proc.returncode}):\n"
+                        + self.proc.stdout[-3000:] + self.proc.stderr[-5000:])
+        return json.loads(path.read_text())
+
+
+# ---------------------------------------------------------------- a command line, in this process
+
+def run_main(*argv):
+    """`python -m ARGV...` in this process, through the module's own `__main__` block with sys.argv
+    as the command line sets it; returns the exit status the process would have (SystemExit's code,
+    0 when main returns). A process start costs ~10 s of imports on 2 CPU cores, a tiny run a second
+    or two; tests of the process boundary itself (a signal, torchrun, an installed package) start
+    real processes. A JAGG patch the launcher applied is reverted afterwards."""
+    import runpy
+    import sys
+    import warnings
+    from jagg_patch import revert_jagg
+    module, *rest = [str(a) for a in argv]
+    saved = sys.argv
+    sys.argv = [module, *rest]
+    try:
+        with warnings.catch_warnings():   # "found in sys.modules ... prior to execution": as intended
+            warnings.filterwarnings("ignore", message=".*found in sys.modules", category=RuntimeWarning)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    finally:
+        sys.argv = saved
+        revert_jagg()
+    return 0
+
+
+def run_mains(runs, folder, env=None):
+    """Run {name: argv} one after another in ONE new process (tests/run_mains.py); returns {name:
+    (exit status, stdout, stderr)}. A run that does not finish leaves no status (None)."""
+    import json
+    import subprocess
+    import sys
+    folder = str(folder)
+    os.makedirs(folder, exist_ok=True)
+    logs = {name: os.path.join(folder, f"{name}.log") for name in runs}
+    specs = os.path.join(folder, "runs.json")
+    with open(specs, "w") as f:
+        json.dump([dict(argv=[str(a) for a in argv], log=logs[name]) for name, argv in runs.items()], f)
+    proc = subprocess.run([sys.executable, os.path.join(TESTS_DIR, "run_mains.py"), specs], env=env,
+                          capture_output=True, text=True, timeout=1200)
+
+    def read(path):
+        return open(path).read() if os.path.isfile(path) else None
+
+    results = {}
+    for name, log in logs.items():
+        code = read(log + ".code")
+        results[name] = (None if code is None else int(code), read(log + ".out") or "",
+                         (read(log + ".err") or "") + ("" if code is not None else proc.stderr[-3000:]))
+    return results

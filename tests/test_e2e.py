@@ -2,8 +2,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,7 +10,7 @@ from safetensors.torch import load_file
 from dancegrpo import train_grpo_flux
 from dancegrpo.errors import ConfigError, MissingFileError
 
-from helpers import FAST
+from helpers import FAST, run_main
 
 KEYS = ["step", "reward_mean", "reward_std", "loss", "grad_norm", "lr", "step_time_s", "rollout_time_s",
         "update_time_s", "transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards"]
@@ -103,13 +101,14 @@ FLUX, QWEN = "dancegrpo.train_grpo_flux", "dancegrpo.train_grpo_qwenimage"
     (QWEN, ["--data_json_path", "{tmp}/none.json"], "does not exist"),
     (QWEN, ["--resume_from_checkpoint", "{tmp}/nowhere"], "holds no diffusion_pytorch_model.safetensors"),
 ], ids=["flux-weights", "qwen-weights", "qwen-data", "qwen-resume"])
-def test_cli_exit_code_and_message_for_user_errors(tmp_path, cache_dir, module, flags, message):
-    """Both entry points turn a user error into one message and exit 2 (no traceback)."""
+def test_cli_exit_code_and_message_for_user_errors(tmp_path, cache_dir, capsys, module, flags, message):
+    """Both entry points' `__main__` turn a user error into one message and exit 2 (no traceback;
+    in this process: helpers.run_main)."""
     flags = [f.format(tmp=tmp_path) for f in flags]
-    proc = subprocess.run([sys.executable, "-m", module, "--preset", "tiny", "--cache_dir", cache_dir,
-                           "--output_dir", str(tmp_path / "o"), *flags], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    code = run_main(module, "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", tmp_path / "o", *flags)
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert message in err and "Traceback" not in err
 
 
 def test_nan_reward_stops_before_the_update(make_args, monkeypatch):

@@ -1,7 +1,8 @@
 """The one interface between the loop and whatever holds the model across ranks.
 
 The loop never asks which engine it has: it calls `model` as the transformer, hands `backward`
-to the policy update, and calls `optimizer_step`, `full_state`, `save_state` and `load_state`.
+to the policy update, and calls `optimizer_step`, `full_state`, `save_state`, `load_state` and, at
+the end of the run, `close`.
 An engine is one module implementing `Engine`, registered in `dancegrpo.engines.ENGINES`.
 """
 
@@ -42,6 +43,10 @@ class Engine:
     def load_state(self, folder, saved):
         """Collective: restore what `save_state` wrote; `saved` is the folder's training_state dict."""
         raise NotImplementedError
+
+    def close(self):
+        """The run is over: release what the engine holds beyond it, before the process group goes
+        (default: nothing)."""
 
     def label(self):
         """How the banner names the engine, e.g. ' (FSDP bf16)'."""

@@ -69,15 +69,20 @@ def engine_config(settings, args, device):
 
 def _ensure_process_group():
     """deepspeed.init_distributed, in a single process too (a world of one: it reads RANK /
-    WORLD_SIZE / MASTER_*); under torchrun it adopts the trainer's process group."""
+    WORLD_SIZE / MASTER_*); under torchrun it adopts the trainer's process group. Returns the
+    environment variables it set (close() takes them back)."""
     import deepspeed
     import torch.distributed as dist
+    added = []
     if not dist.is_initialized():
         port = str(29500 + os.getpid() % 2000)  # single processes side by side must not share a port
         for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                            ("MASTER_PORT", port)):
-            os.environ.setdefault(key, value)
+            if key not in os.environ:
+                os.environ[key] = value
+                added.append(key)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return added
 
 
 class DeepSpeedEngine(Engine):
@@ -87,7 +92,7 @@ class DeepSpeedEngine(Engine):
 
     def __init__(self, raw, optimizer, lr_scheduler, args, device):
         import deepspeed
-        _ensure_process_group()
+        self._added_env = _ensure_process_group()
         self.config = engine_config(args.deepspeed_settings, args, device)
         self.stage = zero_stage(self.config)
         trainable = [p for p in raw.parameters() if p.requires_grad]
@@ -114,6 +119,18 @@ class DeepSpeedEngine(Engine):
             apply_activation_checkpointing(raw, family.block_classes(raw), args.selective_checkpointing)
         optimizer, scheduler = build_optimizer(args, raw)
         return cls(raw, optimizer, scheduler, args, device)
+
+    def close(self):
+        """Tear the process group down through DeepSpeed, which drops its cached groups with it: a
+        second run in the same process (a sweep, a notebook) otherwise broadcasts over the destroyed
+        group and fails. The single-process environment variables go too."""
+        import deepspeed.comm
+        import torch.distributed as dist
+        if dist.is_initialized():
+            dist.barrier()  # as dancegrpo.utils.communications.shutdown: no rank tears down early
+            deepspeed.comm.destroy_process_group()
+        for key in self._added_env:
+            os.environ.pop(key, None)
 
     def label(self):
         return f" (DeepSpeed ZeRO-{self.stage})"

@@ -1,13 +1,9 @@
-"""Run under `torchrun --nproc_per_node=2`: one optimizer step of the policy update under DeepSpeed
-ZeRO, each rank backpropagating half of a batch, must leave the weights of a single-process
-AdamW step on the whole batch (gradients averaged over ranks, as the engine does).
-
-Usage: torchrun --nproc_per_node=2 tests/dist/deepspeed_check.py CACHE_DIR OUT_JSON [trainer flags]
-                [--apply_jagg --jagg_* flags]
+"""Check "deepspeed" of run_checks.py (two ranks): one optimizer step of the policy update under
+DeepSpeed ZeRO, each rank backpropagating half of a batch, must leave the weights of a
+single-process AdamW step on the whole batch (gradients averaged over ranks, as the engine does).
+Flags: the trainer's (with --engine deepspeed) and --apply_jagg with --jagg_* flags.
 """
 import dataclasses
-import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -18,8 +14,8 @@ from dancegrpo.engines import plain_engine
 from fsdp_grad_check import check_args, same_data_on_every_rank
 
 
-def main(cache_dir, out_json, flags):
-    args = check_args(cache_dir, out_json, flags)
+def check(cache_dir, workdir, flags):
+    args = check_args(cache_dir, workdir, flags)
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
     assert ctx.engine.name == "deepspeed", "expected --engine deepspeed"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,14 +43,8 @@ def main(cache_dir, out_json, flags):
     err = max((got[k] - ref[k]).abs().max().item() for k in ref)
     moved = max((ref[k] - dict(ctx.family.load(args, ctx.device)[0].named_parameters()).get(k, ref[k])).abs().max().item()
                 for k in ref)
-    if rank == 0:
-        with open(out_json, "w") as f:
-            json.dump({"max_abs_err": err, "moved": moved, "grad_norm": grad_norm, "ref_grad_norm": ref_norm,
-                       "world_size": world, "stage": ctx.engine.stage, "jagg_groups": stats.jagg_groups,
-                       "num_trained_tensors": len(ref), **ctx.counter.as_dict()}, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    counts = ctx.counter.as_dict()
+    ctx.counter.remove()
+    return {"max_abs_err": err, "moved": moved, "grad_norm": grad_norm, "ref_grad_norm": ref_norm,
+            "world_size": world, "stage": ctx.engine.stage, "jagg_groups": stats.jagg_groups,
+            "num_trained_tensors": len(ref), **counts}

@@ -1,12 +1,9 @@
-"""Run under `torchrun --nproc_per_node=2`: FSDP1 parameter all-gathers and gradient
+"""Check "comm" of run_checks.py (two ranks): FSDP1 parameter all-gathers and gradient
 reduce-scatters per unit during one micro-batch's update, for vanilla and the JAGG backward forms
 (with and without rollout reuse); and each form's gradient against the single-process one.
-
-Usage: torchrun --nproc_per_node=2 tests/dist/fsdp_comm_check.py CACHE_DIR OUT_JSON [trainer flags]
+Flags: the trainer's (--jagg_window sets the group size).
 """
 import dataclasses
-import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -25,8 +22,8 @@ FORMS = {"vanilla": None, "joint": ("joint", "off"), "split": ("split", "off"), 
          "batched_reuse": ("batched", "on_policy")}
 
 
-def main(cache_dir, out_json, flags):
-    args = check_args(cache_dir, out_json, flags)
+def check(cache_dir, workdir, flags):
+    args = check_args(cache_dir, workdir, flags)
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_model, _ = ctx.family.load(args, ctx.device)
@@ -61,12 +58,5 @@ def main(cache_dir, out_json, flags):
                                      peak_gathered_bytes=counts.peak_gathered_bytes,
                                      backward_calls=stats.backward_calls, forwards_reused=stats.forwards_reused,
                                      rel_err=num / den)
-    if rank == 0:
-        with open(out_json, "w") as f:
-            json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    ctx.counter.remove()
+    return result

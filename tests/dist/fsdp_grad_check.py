@@ -1,12 +1,8 @@
-"""Run under `torchrun --nproc_per_node=2`: the FSDP gradient of the policy update over
-two ranks' halves of a batch must equal the single-process gradient over the whole batch.
-
-Usage: torchrun --nproc_per_node=2 tests/dist/fsdp_grad_check.py CACHE_DIR OUT_JSON [trainer flags]
-                [--apply_jagg --jagg_* flags]   (then through the JAGG patch, as the launcher applies it)
+"""Check "grad" of run_checks.py (two ranks): the FSDP gradient of the policy update over two ranks'
+halves of a batch must equal the single-process gradient over the whole batch. Flags: the trainer's,
+and --apply_jagg with --jagg_* flags (then through the JAGG patch, as the launcher applies it).
 """
 import dataclasses
-import json
-import sys
 
 import torch
 import torch.distributed as dist
@@ -42,18 +38,19 @@ def same_data_on_every_rank(ctx, ref_model, num_prompts):
     return cond, trainer.Rollout(latents, log_probs, [], torch.zeros(n)), adv, selection.steps, selection.num_train
 
 
-def check_args(cache_dir, out_json, flags):
-    """The trainer's flags on the tiny preset, with --apply_jagg (+ --jagg_*) patching the trainer."""
+def check_args(cache_dir, workdir, flags):
+    """The trainer's flags on the tiny preset, with --apply_jagg (+ --jagg_*) patching the trainer
+    (run_checks reverts it after the check)."""
     parser = add_jagg_args(train_grpo_flux.build_parser())
     parser.add_argument("--apply_jagg", action="store_true")
-    args = parse_args(parser, ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out_json + ".d", *flags])
+    args = parse_args(parser, ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", workdir, *flags])
     if args.apply_jagg:
         apply_jagg(train_grpo_flux, **jagg_kwargs(args))
     return args
 
 
-def main(cache_dir, out_json, flags):
-    args = check_args(cache_dir, out_json, flags)
+def check(cache_dir, workdir, flags):
+    args = check_args(cache_dir, workdir, flags)
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
     assert isinstance(ctx.transformer, FSDP), "expected FSDP under torchrun"
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -79,14 +76,6 @@ def main(cache_dir, out_json, flags):
     num = sum(((fsdp_grads[k] - ref[k]) ** 2).sum() for k in ref).sqrt().item()
     den = sum((ref[k] ** 2).sum() for k in ref).sqrt().item()
     counts = ctx.counter.as_dict()
-    if rank == 0:
-        with open(out_json, "w") as f:
-            json.dump({"rel_err": num / den, "ref_norm": den, "world_size": world, "jagg_groups": stats.jagg_groups,
-                       "num_trained_tensors": len(ref),
-                       "backward_calls": stats.backward_calls, **counts}, f)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3:])
+    ctx.counter.remove()
+    return {"rel_err": num / den, "ref_norm": den, "world_size": world, "jagg_groups": stats.jagg_groups,
+            "num_trained_tensors": len(ref), "backward_calls": stats.backward_calls, **counts}

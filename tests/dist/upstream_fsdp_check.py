@@ -1,15 +1,13 @@
-"""Run under `torchrun --nproc_per_node=2 upstream_fsdp_check.py CACHE_DIR OUT.json`: jagg_patch.upstream on
-the Flux stand-in with its transformer under FSDP1 (gloo, CPU), as upstream wraps it. Rank 0 writes:
+"""Check "upstream" of run_checks.py (two ranks): jagg_patch.upstream on the Flux stand-in with its
+transformer under FSDP1 (gloo, CPU), as upstream wraps it. Returns:
 - rel_exact: exact mode's gradient against the stand-in's own train_one_step, both under FSDP;
 - rel_jagg: JAGG (backward auto, i.e. batched on 2 ranks, with rollout reuse) under FSDP against the
   mean over ranks of the JAGG gradients of the same step on an unwrapped copy of the weights;
 - stats: rank 0's hook counts of the FSDP JAGG step.
 Gradients are read at the optimizer step (SGD at lr 0, so every run starts from the same weights)."""
 import copy
-import json
 import os
 import sys
-import tempfile
 import types
 
 import torch
@@ -19,9 +17,7 @@ STANDIN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 B = 4   # one prompt x 4 generations per rank, GA 4: one optimizer step
 
 
-def main():
-    cache_dir, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+def check(cache_dir, workdir, flags):
     rank, world = dist.get_rank(), dist.get_world_size()
     sys.path.insert(0, STANDIN)
     from dancegrpo.utils.fsdp_util import full_gradients, wrap_fsdp
@@ -32,14 +28,16 @@ def main():
 
     module = load_trainer(os.path.join(STANDIN, "fastvideo", "train_grpo_flux.py"))
     args = standin_parser().parse_args(
-        ["--cache_dir", cache_dir, "--output_dir", tempfile.mkdtemp(), "--use_group", "--num_generations", str(B),
+        ["--cache_dir", cache_dir, "--output_dir", os.path.join(workdir, f"rank{rank}"), "--use_group",
+         "--num_generations", str(B),
          "--gradient_accumulation_steps", str(B), "--clip_range", "0.05", "--max_grad_norm", "1e9"])
     plain, data_json = load_transformer("flux", cache_dir, torch.float32)
     batches = prompt_batches("flux", data_json, 1, torch.float64)
     batch = [next(batches) for _ in range(rank + 1)][-1]   # each rank its own prompt
     family = FluxFamily(types.SimpleNamespace(h=64, w=64))
     fsdp = wrap_fsdp(copy.deepcopy(plain.module), family.block_classes(plain.module), torch.device("cpu"))
-    os.chdir(tempfile.mkdtemp())   # ./reward.txt
+    os.makedirs(os.path.join(workdir, f"cwd{rank}"), exist_ok=True)
+    os.chdir(os.path.join(workdir, f"cwd{rank}"))   # ./reward.txt (run_checks goes back)
 
     def step(model):
         torch.manual_seed(11 + rank)
@@ -72,15 +70,6 @@ def main():
         num = sum(float((got[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
         return num / sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
 
-    result = {"world_size": world, "rel_exact": rel(exact, upstream), "rel_jagg": rel(jagg, reference),
-              "same_names": set(jagg) == set(reference), "ref_norm": sum(float(g.norm()) for g in reference.values()),
-              "stats": stats}
-    dist.barrier()  # ~1 in 10 CPU runs aborted in destroy_process_group without it
-    dist.destroy_process_group()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(result, f)
-
-
-if __name__ == "__main__":
-    main()
+    return {"world_size": world, "rel_exact": rel(exact, upstream), "rel_jagg": rel(jagg, reference),
+            "same_names": set(jagg) == set(reference), "ref_norm": sum(float(g.norm()) for g in reference.values()),
+            "stats": stats}

@@ -1,50 +1,58 @@
-"""--engine deepspeed in single processes (subprocesses: DeepSpeed creates a process group that
-must not leak into the test process): weights equal the FSDP-less plain run, resume is
-bit-exact, LoRA works under it, bad configurations stop before any model is loaded.
+"""--engine deepspeed in single processes: weights equal the FSDP-less plain run, resume is
+bit-exact, LoRA works under it, bad configurations stop before any model is loaded. The runs share
+one process of their own (helpers.run_mains): DeepSpeed creates a process group and sets RANK /
+WORLD_SIZE / MASTER_* in the environment, which must not leak into the test process.
 (2-rank equality: tests/engines/test_distributed.py.)"""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 from safetensors.torch import load_file
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, run_main, run_mains
 
 ROOT = REPO_ROOT
 CONFIGS = os.path.join(ROOT, "configs", "deepspeed")
 SMALL = ["--train_batch_size", "2", "--num_generations", "4", "--gradient_accumulation_steps", "8",
          "--checkpointing_steps", "1"]
+EMA = {2: ["--use_ema"], 3: []}   # the EMA under ZeRO-2 (ZeRO-3 refuses it)
+STAGES = ((2, 0.0), (3, 1e-5))    # stage, tolerance against the plain run
+LORA = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-2", "--max_train_steps", 2]
 
 
-def start(cache_dir, out, *flags, module="dancegrpo.train_grpo_flux"):
-    """A training run in its own process, one thread (runs side by side stay bit-comparable)."""
+def child_env():
+    """One thread (runs stay bit-comparable), no rank variables of an outer launch."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
-    return subprocess.Popen([sys.executable, "-m", module, "--preset", "tiny", "--cache_dir", cache_dir,
-                             "--output_dir", str(out), *SMALL, *map(str, flags)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-
-
-def finish(proc, check=True):
-    proc.stdout, proc.stderr = proc.communicate(timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
-
-
-def train(cache_dir, out, *flags, module="dancegrpo.train_grpo_flux", check=True):
-    return finish(start(cache_dir, out, *flags, module=module), check)
-
-
-def side_by_side(*runs):
-    """Start every (cache_dir, out, *flags) run at once; wait for all."""
-    return [finish(proc) for proc in [start(*run) for run in runs]]
+    return env
 
 
 def zero(stage):
     return ["--engine", "deepspeed", "--deepspeed_config", os.path.join(CONFIGS, f"zero{stage}.json")]
+
+
+@pytest.fixture(scope="module")
+def runs(cache_dir, tmp_path_factory):
+    """Every training run of this module, in order (a resume after the run it resumes), in one
+    process: {name: (exit status, stdout, stderr)} and the folder of each run (folder / name)."""
+    folder = tmp_path_factory.mktemp("deepspeed_runs")
+
+    def run(out, *flags):
+        return ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                "--output_dir", folder / out, *SMALL, *flags]
+
+    plan = {"plain": run("plain", "--max_train_steps", 2),
+            "lora_plain": run("lora_plain", *LORA), "lora_z2": run("lora_z2", *LORA, *zero(2))}
+    for stage, _ in STAGES:
+        plan[f"z{stage}"] = run(f"z{stage}", *zero(stage), "--max_train_steps", 3, *EMA[stage])
+        plan[f"z{stage}_part"] = run(f"z{stage}_part", *zero(stage), "--max_train_steps", 2, *EMA[stage])
+        plan[f"z{stage}_resumed"] = run(f"z{stage}_part", *zero(stage), "--max_train_steps", 3, *EMA[stage],
+                                        "--resume_from_checkpoint", "latest")
+    results = run_mains(plan, folder / "logs", env=child_env())
+    for name, (code, out, err) in results.items():
+        assert code == 0, (name, out[-2000:] + err[-3000:])
+    return results, folder
 
 
 def weights(folder, name="diffusion_pytorch_model.safetensors"):
@@ -56,35 +64,28 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(cache_dir, tmp_path):
+def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(runs):
     """Measured: ZeRO-2 bit-equal to the plain single-process run after 2 steps, ZeRO-3 9.7e-7 off
-    (tolerance 1e-5: the reduction order of another CPU may differ; a step moves weights ~1e-2); a resume (2 steps, then 1 more from checkpoint-2-0) bit-equal to 3 unbroken steps, with
-    the EMA under ZeRO-2."""
-    ema = {2: ["--use_ema"], 3: []}
-    stages = ((2, 0.0), (3, 1e-5))
-    side_by_side((cache_dir, tmp_path / "plain", "--max_train_steps", 2),
-                 *[(cache_dir, tmp_path / f"z{stage}", *zero(stage), "--max_train_steps", 3, *ema[stage])
-                   for stage, _ in stages],
-                 *[(cache_dir, tmp_path / f"z{stage}_part", *zero(stage), "--max_train_steps", 2, *ema[stage])
-                   for stage, _ in stages])
-    resumed = side_by_side(*[(cache_dir, tmp_path / f"z{stage}_part", *zero(stage), "--max_train_steps", 3,
-                              *ema[stage], "--resume_from_checkpoint", "latest") for stage, _ in stages])
-    plain = weights(tmp_path / "plain" / "checkpoint-2-0")
-    for (stage, tol), run in zip(stages, resumed):
-        assert f"(DeepSpeed ZeRO-{stage})" in run.stdout and "training state:" in run.stdout
-        assert max_diff(weights(tmp_path / f"z{stage}" / "checkpoint-2-0"), plain) <= tol
-        assert os.path.isdir(tmp_path / f"z{stage}" / "checkpoint-2-0" / "deepspeed")
-        part, full = tmp_path / f"z{stage}_part" / "checkpoint-3-0", tmp_path / f"z{stage}" / "checkpoint-3-0"
+    (tolerance 1e-5: the reduction order of another CPU may differ; a step moves weights ~1e-2); a
+    resume (2 steps, then 1 more from checkpoint-2-0) bit-equal to 3 unbroken steps, with the EMA
+    under ZeRO-2."""
+    results, folder = runs
+    plain = weights(folder / "plain" / "checkpoint-2-0")
+    for stage, tol in STAGES:
+        _, stdout, _ = results[f"z{stage}_resumed"]
+        assert f"(DeepSpeed ZeRO-{stage})" in stdout and "training state:" in stdout
+        assert max_diff(weights(folder / f"z{stage}" / "checkpoint-2-0"), plain) <= tol
+        assert os.path.isdir(folder / f"z{stage}" / "checkpoint-2-0" / "deepspeed")
+        part, full = folder / f"z{stage}_part" / "checkpoint-3-0", folder / f"z{stage}" / "checkpoint-3-0"
         assert max_diff(weights(part), weights(full)) == 0.0
-        if ema[stage]:
+        if EMA[stage]:
             assert max_diff(weights(part / "ema"), weights(full / "ema")) == 0.0
 
 
-def test_lora_under_zero2_equals_lora_without_it(cache_dir, tmp_path):
-    lora = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-2", "--max_train_steps", 2]
-    side_by_side((cache_dir, tmp_path / "plain", *lora), (cache_dir, tmp_path / "z2", *lora, *zero(2)))
+def test_lora_under_zero2_equals_lora_without_it(runs):
+    _, folder = runs
     name = "pytorch_lora_weights.safetensors"
-    a, b = weights(tmp_path / "plain" / "checkpoint-2-0", name), weights(tmp_path / "z2" / "checkpoint-2-0", name)
+    a, b = weights(folder / "lora_plain" / "checkpoint-2-0", name), weights(folder / "lora_z2" / "checkpoint-2-0", name)
     assert max_diff(a, b) == 0.0 and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
 
 
@@ -117,10 +118,12 @@ def test_bad_deepspeed_settings_are_refused_at_parse_time(make_args, tmp_path, c
     assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_bad_config_stops_the_cli_with_one_line_before_any_work(cache_dir, tmp_path):
-    proc = train(cache_dir, tmp_path / "run", "--max_train_steps", 1, "--engine", "deepspeed", "--deepspeed_config",
-                 _bad_config_files(tmp_path)["stage5"], check=False)
-    assert proc.returncode == 2 and "stage must be 0-3" in proc.stderr and "Traceback" not in proc.stderr
+def test_a_bad_config_stops_the_cli_with_one_line_before_any_work(cache_dir, tmp_path, capsys):
+    code = run_main("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+                    tmp_path / "run", *SMALL, "--max_train_steps", 1, "--engine", "deepspeed", "--deepspeed_config",
+                    _bad_config_files(tmp_path)["stage5"])
+    err = capsys.readouterr().err
+    assert code == 2 and "stage must be 0-3" in err and "Traceback" not in err
     assert not os.path.exists(tmp_path / "run")
 
 

@@ -1,30 +1,23 @@
-"""2 CPU ranks under torchrun (gloo, FSDP1): gradients equal the single-process ones."""
-import json
+"""2 CPU ranks under torchrun (gloo, FSDP1 or DeepSpeed): gradients and steps equal the
+single-process ones. The checks live in tests/dist/ and run in one launch (the dist_result fixture)."""
 import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import FAST, REPO_ROOT, TESTS_DIR
+from helpers import FAST, REPO_ROOT, dist_check, dist_id
 
-SCRIPT = os.path.join(TESTS_DIR, "dist", "fsdp_grad_check.py")
-
-
-def run_torchrun(script, cache_dir, out, flags, nproc=2):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-        [REPO_ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--standalone",
-           script, cache_dir, str(out), *map(str, flags)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    with open(out) as f:
-        return json.load(f)
+JAGG_W4 = ["--apply_jagg", "--jagg_window", "4", "--jagg_frac", "1.0"]
+LORA = ["--use_lora", "--lora_rank", "4", "--lora_alpha", "8"]
+# The authors' variant (window grouping, index alpha, split backward)
+AUTHORS = ["--apply_jagg", "--jagg_grouping", "window", "--jagg_alpha", "index", "--jagg_backward", "split",
+           "--jagg_window", "3", "--jagg_frac", "1.0", "--timestep_fraction", "0.7"]
 
 
-@pytest.mark.parametrize("extra", [[], ["--gradient_checkpointing"]], ids=["plain", "checkpointing"])
-def test_fsdp_two_ranks_gradient_equals_single_process(cache_dir, tmp_path, extra):
-    result = run_torchrun(SCRIPT, cache_dir, tmp_path / "grad.json", FAST + extra)
+@pytest.mark.parametrize("dist_result", [dist_check("fsdp-plain", "grad", FAST),
+                                         dist_check("fsdp-checkpointing", "grad", FAST + ["--gradient_checkpointing"])],
+                         indirect=True, ids=dist_id)
+def test_fsdp_two_ranks_gradient_equals_single_process(dist_result):
+    result = dist_result
     assert result["world_size"] == 2
     assert result["ref_norm"] > 0
     assert result["rel_err"] < 1e-5, result
@@ -32,11 +25,11 @@ def test_fsdp_two_ranks_gradient_equals_single_process(cache_dir, tmp_path, extr
     assert result["transformer_backwards"] == result["transformer_forwards_grad"] == 16
 
 
-def test_fsdp_two_ranks_window_split_equals_single_process(cache_dir, tmp_path):
+@pytest.mark.parametrize("dist_result", [dist_check("fsdp-authors", "grad", FAST + AUTHORS)], indirect=True,
+                         ids=dist_id)
+def test_fsdp_two_ranks_window_split_equals_single_process(dist_result):
     """The authors' variant (window grouping, index alpha, split backward) under FSDP1."""
-    jagg = ["--apply_jagg", "--jagg_grouping", "window", "--jagg_alpha", "index", "--jagg_backward", "split",
-            "--jagg_window", "3", "--jagg_frac", "1.0", "--timestep_fraction", "0.7"]
-    result = run_torchrun(SCRIPT, cache_dir, tmp_path / "grad.json", FAST + jagg)
+    result = dist_result
     assert result["world_size"] == 2 and result["ref_norm"] > 0
     assert result["rel_err"] < 1e-5, result
     # rank 0: 4 samples x 2 windows; each JAGG window (0 or 1) costs 2 backwards in 2 calls, window 2 one
@@ -44,13 +37,13 @@ def test_fsdp_two_ranks_window_split_equals_single_process(cache_dir, tmp_path):
     assert result["transformer_backwards"] == result["transformer_forwards_grad"] < 4 * 6
 
 
-@pytest.mark.parametrize("jagg", [[], ["--apply_jagg", "--jagg_window", "4", "--jagg_frac", "1.0"]],
-                         ids=["vanilla", "jagg"])
-def test_fsdp_two_ranks_lora_gradient_equals_single_process(cache_dir, tmp_path, jagg):
+@pytest.mark.parametrize("dist_result,jagg", [(dist_check("fsdp-lora-vanilla", "grad", FAST + LORA), False),
+                                              (dist_check("fsdp-lora-jagg", "grad", FAST + LORA + JAGG_W4), True)],
+                         indirect=["dist_result"], ids=["vanilla", "jagg"])
+def test_fsdp_two_ranks_lora_gradient_equals_single_process(dist_result, jagg):
     """--use_lora under FSDP1 (frozen base and trainable adapter in the same units): the adapter's
     gradient over two ranks equals the single-process one; only adapter tensors are compared."""
-    lora = ["--use_lora", "--lora_rank", "4", "--lora_alpha", "8"]
-    result = run_torchrun(SCRIPT, cache_dir, tmp_path / "grad.json", FAST + lora + jagg)
+    result = dist_result
     assert result["world_size"] == 2 and result["ref_norm"] > 0
     assert result["rel_err"] < 1e-5, result
     # A and B of to_q, to_k, to_v, to_out.0 in the double block and to_q, to_k, to_v in the single
@@ -59,19 +52,23 @@ def test_fsdp_two_ranks_lora_gradient_equals_single_process(cache_dir, tmp_path,
     assert result["transformer_backwards"] == (8 if jagg else 16)
 
 
-DEEPSPEED_SCRIPT = os.path.join(TESTS_DIR, "dist", "deepspeed_check.py")
 CONFIGS = os.path.join(REPO_ROOT, "configs", "deepspeed")
 
 
-@pytest.mark.parametrize("stage,jagg", [(2, []), (3, ["--apply_jagg", "--jagg_window", "4", "--jagg_frac", "1.0"])],
-                         ids=["zero2-vanilla", "zero3-jagg"])
-def test_deepspeed_two_ranks_step_equals_single_process(cache_dir, tmp_path, stage, jagg):
+def deepspeed(stage):
+    return ["--engine", "deepspeed", "--deepspeed_config", os.path.join(CONFIGS, f"zero{stage}.json")]
+
+
+@pytest.mark.parametrize("dist_result,stage,jagg", [
+    (dist_check("zero2-vanilla", "deepspeed", FAST + deepspeed(2)), 2, False),
+    (dist_check("zero3-jagg", "deepspeed", FAST + deepspeed(3) + JAGG_W4), 3, True)],
+    indirect=["dist_result"], ids=["zero2-vanilla", "zero3-jagg"])
+def test_deepspeed_two_ranks_step_equals_single_process(dist_result, stage, jagg):
     """ZeRO-2 / ZeRO-3 on 2 CPU ranks (gloo): the weights after one optimizer step equal a
     single-process AdamW step on the whole batch (each stage with one update form; all four
     pairings measured: 6.2e-7 vanilla, 0 JAGG, both stages (float32 reduction order, amplified where Adam divides a tiny gradient by its own
     size); the step moves weights by 1e-2 (lr 1e-2). Tolerance 1e-5: 0.1% of the step."""
-    engine = ["--engine", "deepspeed", "--deepspeed_config", os.path.join(CONFIGS, f"zero{stage}.json")]
-    result = run_torchrun(DEEPSPEED_SCRIPT, cache_dir, tmp_path / "ds.json", FAST + engine + jagg)
+    result = dist_result
     print(f"ZeRO-{stage}: max |w - w_ref| {result['max_abs_err']:.2e}, moved {result['moved']:.2e}")
     assert result["world_size"] == 2 and result["stage"] == stage
     assert result["moved"] > 1e-4
@@ -80,16 +77,15 @@ def test_deepspeed_two_ranks_step_equals_single_process(cache_dir, tmp_path, sta
     assert result["transformer_backwards"] == (8 if jagg else 16)   # rank 0: 4 samples
 
 
-COMM_SCRIPT = os.path.join(TESTS_DIR, "dist", "fsdp_comm_check.py")
-
-
-def test_fsdp_joint_backward_gathers_each_unit_once_per_group(cache_dir, tmp_path):
+@pytest.mark.parametrize("dist_result", [dist_check("fsdp-comm", "comm", FAST + ["--jagg_window", "4"])],
+                         indirect=True, ids=dist_id)
+def test_fsdp_joint_backward_gathers_each_unit_once_per_group(dist_result):
     """The paper's claim, counted: FSDP1 (FULL_SHARD, the trainer's wrapping) all-gathers a unit
     once per forward and once per backward CALL, so one JAGG group of 4 (one micro-batch of 4
     samples per rank) costs a block unit 4 forward gathers + 1 (joint) or + 2 (split), 2 + 1 / 2 + 2
     when the middles come from the rollout; batched forwards both endpoints in one call: 1 + 2 + 1,
     with reuse 1 + 1; vanilla 4 x (1 + 1). Every form's FSDP gradient equals the single-process one."""
-    result = run_torchrun(COMM_SCRIPT, cache_dir, tmp_path / "comm.json", FAST + ["--jagg_window", "4"])
+    result = dist_result
     forms = result["forms"]
     assert result["world_size"] == 2 and result["samples_per_rank"] == 4
     block_units = ("transformer_blocks.0", "single_transformer_blocks.0")

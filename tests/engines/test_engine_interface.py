@@ -31,6 +31,10 @@ class Recording(FSDPEngine):
         self.calls.append("save_state")
         super().save_state(folder)
 
+    def close(self):
+        self.calls.append("close")
+        super().close()
+
 
 def test_a_registered_engine_is_the_only_way_the_loop_steps(make_args, monkeypatch, tmp_path):
     monkeypatch.setitem(engines.ENGINES, "recording", Recording)
@@ -42,6 +46,7 @@ def test_a_registered_engine_is_the_only_way_the_loop_steps(make_args, monkeypat
     # vanilla: one backward per trained transition and micro-batch (FAST: micro-batches of 4 samples)
     assert Recording.calls.count("backward") == recorded["train_timesteps"] * recorded["samples"] // 4
     assert Recording.calls.count("save_state") == 1 and "full_state" in Recording.calls
+    assert Recording.calls[-1] == "close" and Recording.calls.count("close") == 1   # once, at the end
     # The same gradient as the default engine's autograd backward: the same step, to the bit.
     assert (recorded["loss"], recorded["grad_norm"]) == (plain["loss"], plain["grad_norm"])
 

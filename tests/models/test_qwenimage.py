@@ -13,9 +13,9 @@ import torch
 from dancegrpo import TRAINERS, presets, trainer
 from dancegrpo import train_grpo_qwenimage as tq
 from dancegrpo.args import parse_args
-from dancegrpo.models.base import pack_latents, unpack_latents
+from dancegrpo.models.base import unpack_latents
 from dancegrpo.models.qwenimage import QwenImageFamily
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, run_main
 
 ROOT = REPO_ROOT
 
@@ -219,9 +219,8 @@ def test_tiny_preset_end_to_end_vanilla(preset_cache, tmp_path):
 
 def test_tiny_preset_end_to_end_jagg(preset_cache, tmp_path):
     pytest.importorskip("jagg_patch")
-    cmd = [sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_qwenimage", "--jagg_window", "2",
-           "--preset", "tiny", "--cache_dir", preset_cache, "--output_dir", str(tmp_path), *SMALL_RUN]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
+    assert run_main("jagg_patch", "dancegrpo.train_grpo_qwenimage", "--jagg_window", "2", "--preset", "tiny",
+                    "--cache_dir", preset_cache, "--output_dir", tmp_path, *SMALL_RUN) == 0
     history = _history(tmp_path)
     assert len(history) == 2
     for r in history:

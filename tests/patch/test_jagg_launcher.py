@@ -27,10 +27,10 @@ def metrics(output_dir):
         return [json.loads(line) for line in f]
 
 
-def test_help_explains_usage():
-    out = run([sys.executable, "-m", "jagg_patch", "--help"])
-    assert out.returncode == 0
-    assert "python -m jagg_patch TRAINER_MODULE" in out.stdout and "--jagg_window" in out.stdout
+def test_help_explains_usage(capsys):
+    assert helpers.run_main("jagg_patch", "--help") == 0
+    out = capsys.readouterr().out
+    assert "python -m jagg_patch TRAINER_MODULE" in out and "--jagg_window" in out
 
 
 @pytest.mark.parametrize("flag, value, message", [
@@ -46,29 +46,40 @@ def test_bad_jagg_flags_are_argparse_errors(cache_dir, tmp_path, capsys, flag, v
     assert exit_info.value.code == 2 and message in err and flag in err
 
 
-def test_unknown_trainer_module_is_an_error():
-    out = run([sys.executable, "-m", "jagg_patch", "no_such.trainer"])
-    assert out.returncode == 2 and "cannot import trainer module" in out.stderr
+def test_unknown_trainer_module_is_an_error(capsys):
+    assert helpers.run_main("jagg_patch", "no_such.trainer") == 2
+    assert "cannot import trainer module" in capsys.readouterr().err
 
 
-def test_launch_tiny_prints_plan_and_saves_backwards(cache_dir, tmp_path):
-    out = run([sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny",
-               "--cache_dir", cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
-               "--jagg_window", "3", "--jagg_frac", "0.6"])
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_launch_tiny_prints_plan_and_saves_backwards(cache_dir, tmp_path, capsys):
+    """`python -m jagg_patch` (in this process: helpers.run_main; under torchrun below)."""
+    assert helpers.run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                            "--output_dir", tmp_path, "--max_train_steps", "1", *FAST,
+                            "--jagg_window", "3", "--jagg_frac", "0.6") == 0
+    stdout = capsys.readouterr().out
     assert ("JAGG plan (grouping trained, alpha timestep, backward auto -> split, mode jagg, window 3, jagg_frac 0.6)"
-            in out.stdout)
-    assert "group 0: positions [0, 1, 2] (size 3) -> JAGG (jagg, split backward)" in out.stdout
-    assert "per sample: 3 transformer backwards instead of 4" in out.stdout
-    assert "group 1: positions [3] (size 1) -> exact" in out.stdout
+            in stdout)
+    assert "group 0: positions [0, 1, 2] (size 3) -> JAGG (jagg, split backward)" in stdout
+    assert "per sample: 3 transformer backwards instead of 4" in stdout
+    assert "group 1: positions [3] (size 1) -> exact" in stdout
     (record,) = metrics(tmp_path)
     assert (record["jagg_groups"], record["exact_groups"]) == (8, 8)
     assert record["transformer_backwards"] == 8 * (2 + 1)  # vanilla: 8 * 4
 
 
-def test_fsdp_joint_backward_equals_single_process():
-    out = run(torchrun(os.path.join("tests", "dist", "fsdp_jagg_check.py")))
-    assert out.returncode == 0 and "FSDP_JAGG_OK" in out.stdout, out.stdout[-2000:] + out.stderr[-3000:]
+@pytest.mark.parametrize("dist_result", [helpers.dist_check("fsdp-jagg-core", "jagg_core")],
+                         indirect=True, ids=helpers.dist_id)
+def test_fsdp_joint_backward_equals_single_process(dist_result):
+    """jagg_group_backward on FSDP1 (tests/dist/fsdp_jagg_check.py): on every rank, with and without
+    activation checkpointing, the gradient equals the single-process one and a JAGG group costs ONE
+    autograd.backward call (an exact group one per member)."""
+    assert dist_result["world_size"] == 2
+    for rank in dist_result["ranks"]:
+        for setting in ("plain", "checkpointing"):
+            got = rank[setting]
+            assert got["rel_err"] < 1e-5 and got["same_names"], (setting, got)
+            assert got["groups"][0] == [True, 1], got
+            assert got["autograd_backward_calls"] == sum(1 if jagg else n for jagg, n in got["groups"]), got
 
 
 def test_launch_under_torchrun(cache_dir, tmp_path):
@@ -125,14 +136,14 @@ def test_window_plan_text(make_args):
     assert "vanilla trains 12 transitions" in text
 
 
-def test_launch_window_split_tiny(cache_dir, tmp_path):
-    out = run([sys.executable, "-m", "jagg_patch", "dancegrpo.train_grpo_qwenimage", "--preset", "tiny",
-               "--cache_dir", cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
-               "--timestep_fraction", "1.0", "--jagg_window", "4", "--jagg_frac", "1.0", "--jagg_grouping", "window",
-               "--jagg_alpha", "index", "--jagg_backward", "split"])
-    assert out.returncode == 0, out.stderr[-3000:]
+def test_launch_window_split_tiny(cache_dir, tmp_path, capsys):
+    assert helpers.run_main("jagg_patch", "dancegrpo.train_grpo_qwenimage", "--preset", "tiny", "--cache_dir",
+                            cache_dir, "--output_dir", tmp_path, "--max_train_steps", "1", *FAST,
+                            "--timestep_fraction", "1.0", "--jagg_window", "4", "--jagg_frac", "1.0",
+                            "--jagg_grouping", "window", "--jagg_alpha", "index", "--jagg_backward", "split") == 0
+    stdout = capsys.readouterr().out
     # qwen tiny: S 8 -> windows (0..3) JAGG and (4, 5, 6) JAGG, both trained (fraction 1): 2 + 2 backwards
-    assert "window 1: transitions [4, 5, 6] (size 3) -> JAGG" in out.stdout
+    assert "window 1: transitions [4, 5, 6] (size 3) -> JAGG" in stdout
     (record,) = metrics(tmp_path)
     assert record["transformer_backwards"] == 8 * 4 and record["jagg_groups"] == 16
     assert record["activation_peak_mb"] > 0

@@ -19,7 +19,7 @@ from dancegrpo import train_grpo_flux, train_grpo_qwenimage
 from dancegrpo.errors import ConfigError, DiskFullError, MissingFileError, NonFiniteError
 from dancegrpo.run.rundir import RunLock
 
-from helpers import FAST, REPO_ROOT
+from helpers import FAST, REPO_ROOT, run_main
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 REPO = REPO_ROOT
@@ -128,14 +128,13 @@ def test_params_without_gradient_keep_no_optimizer_state(make_args, tmp_path):
 
 
 # ------------------------------------------------------------------ 3. never train on NaN
-def test_diverging_run_stops_with_exit_3_and_clean_checkpoints(cache_dir, tmp_path):
+def test_diverging_run_stops_with_exit_3_and_clean_checkpoints(cache_dir, tmp_path, capsys):
     out = tmp_path / "o"
-    proc = cli("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
-               "--max_train_steps", 8, "--checkpointing_steps", 1, "--learning_rate", "1e8",
-               *[str(a) for a in FAST])
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 3, err
-    assert "is not finite at step" in err and "--learning_rate" in err and "Traceback" not in err
+    code = run_main("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
+                    "--max_train_steps", 8, "--checkpointing_steps", 1, "--learning_rate", "1e8", *FAST)
+    err = capsys.readouterr().err
+    assert code == 3, err
+    assert "is not finite at step" in err and "--learning_rate" in err
     saved = [p for p in os.listdir(out) if p.startswith("checkpoint")]
     assert len(saved) < 8
     for name in saved:
@@ -347,15 +346,14 @@ def test_an_unwritable_output_folder_is_found_before_loading(make_args, tmp_path
 
 
 @pytest.mark.parametrize("damage", ["config", "weights"])
-def test_broken_model_files_give_one_message(cache_dir, tmp_path, make_args, damage):
+def test_broken_model_files_give_one_message(cache_dir, tmp_path, make_args, capsys, damage):
     model = tmp_path / "model"
     shutil.copytree(make_args().pretrained_model_name_or_path, model, ignore=shutil.ignore_patterns("data"))
     target = model / "transformer" / ("config.json" if damage == "config" else WEIGHTS)
     target.write_bytes(target.read_bytes()[:40])
-    proc = cli("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
-               tmp_path / "o", "--pretrained_model_name_or_path", model)
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 2
+    assert run_main("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+                    tmp_path / "o", "--pretrained_model_name_or_path", model) == 2
+    err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(target) in err and "download the weights again" in err
 
 

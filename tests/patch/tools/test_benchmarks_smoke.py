@@ -13,19 +13,69 @@ SIZE = ("--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 
         "--update_batch_size 2 --h 32 --w 32")
 
 
-def run_script(name, tmp_path, cache_dir, **env):
-    full = dict(os.environ, PRESET="tiny", MODELS="flux", OUT=str(tmp_path / "out"), CACHE_DIR=cache_dir,
-                SIZE_ARGS=SIZE, S_FLUX="8", OMP_NUM_THREADS="1")
-    full.update(env)
-    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", name)], env=full, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout, tmp_path / "out"
+# Each test's script and its settings. The scripts start side by side (one process each at a time,
+# most of it imports: 2 cores run two at once), all of the selected ones at the first test's start.
+SCRIPTS = {
+    "test_speed_script": ("speed.sh", dict(STEPS="2", BENCH_REPS="1", BENCH_UNIT_REPS="1",
+                                           VARIANTS="vanilla jagg authors")),  # the micro-benchmark: all modes
+    # (window 3 is covered in-process by test_fidelity.py)
+    "test_fidelity_script": ("fidelity.sh", dict(WINDOWS="2", ROLLOUTS="2", SAMPLES="2")),
+    "test_quality_script": ("quality.sh", dict(STEPS="2", VARIANTS="vanilla jagg control", EVAL_PROMPTS="2",
+                                               EVAL_IMAGES="1", SEEDS="7")),
+    # Two seeds x two variants x two steps on the shipped digits models (the script sets its own preset)
+    "test_digits_script": ("digits.sh", dict(
+        SIZE_ARGS="--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 "
+                  "--update_batch_size 2", SEEDS="1 2", STEPS="2", EVAL_EVERY="1", EVAL_IMAGES="1",
+        VARIANTS="vanilla jagg_window", FID_ROLLOUTS="1", FID_SAMPLES="2", FID_GROUPINGS="window", PRESET="")),
+    "test_flow_grpo_fast_script": ("flow_grpo_fast.sh", dict(BENCH_REPS="1",
+                                                             BENCH_MODES="vanilla,jagg_split,jagg_split_reuse")),
+}
 
 
-def test_speed_script(tmp_path, cache_dir):
-    text, out = run_script("speed.sh", tmp_path, cache_dir, STEPS="2", BENCH_REPS="1", BENCH_UNIT_REPS="1",
-                           VARIANTS="vanilla jagg authors")   # the micro-benchmark still runs all five modes
+class SideBySide:
+    def __init__(self, names, root, cache_dir):
+        self.procs, self.root = {}, root
+        for name in names:
+            script, env = SCRIPTS[name]
+            folder = root / name
+            folder.mkdir()
+            full = dict(os.environ, PRESET="tiny", MODELS="flux", OUT=str(folder / "out"), CACHE_DIR=cache_dir,
+                        SIZE_ARGS=SIZE, S_FLUX="8", OMP_NUM_THREADS="1")
+            full.update(env)
+            with open(folder / "stdout", "w") as out, open(folder / "stderr", "w") as err:
+                self.procs[name] = subprocess.Popen(["bash", os.path.join(ROOT, "benchmarks", script)], env=full,
+                                                    cwd=str(folder), stdout=out, stderr=err, text=True)
+
+    def result(self, name):
+        """(stdout, output folder) of the test's script, once it has finished."""
+        proc, folder = self.procs[name], self.root / name
+        proc.wait(timeout=900)
+        stdout, stderr = (folder / "stdout").read_text(), (folder / "stderr").read_text()
+        assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+        return stdout, folder / "out"
+
+    def stop(self):
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture(scope="module")
+def scripts(request, cache_dir, tmp_path_factory):
+    selected = {item.originalname for item in request.session.items if item.module is request.module}
+    started = SideBySide(sorted(selected & set(SCRIPTS)), tmp_path_factory.mktemp("benchmarks"), cache_dir)
+    yield started
+    started.stop()
+
+
+@pytest.fixture
+def script(request, scripts):
+    return scripts.result(request.node.originalname)
+
+
+def test_speed_script(script):
+    text, out = script
     assert "# Speed benchmark" in text and "| jagg |" in text and "| endpoints |" in text and "| jagg_split |" in text
     cmp = json.loads((out / "speed/flux/compare/comparison.json").read_text())
     assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg", "authors"]
@@ -50,9 +100,8 @@ def test_speed_script(tmp_path, cache_dir):
     assert (out / "speed/speed.md").is_file()
 
 
-def test_fidelity_script(tmp_path, cache_dir):
-    # (window 3 is covered in-process by test_fidelity.py)
-    text, out = run_script("fidelity.sh", tmp_path, cache_dir, WINDOWS="2", ROLLOUTS="2", SAMPLES="2")
+def test_fidelity_script(script):
+    text, out = script
     assert text.count("## Gradient fidelity") == 1
     for w in (2,):
         res = json.loads((out / f"fidelity/flux/w{w}/fidelity.json").read_text())
@@ -64,9 +113,8 @@ def test_fidelity_script(tmp_path, cache_dir):
         assert (out / f"fidelity/flux/w{w}/fidelity.csv").is_file()
 
 
-def test_quality_script(tmp_path, cache_dir):
-    text, out = run_script("quality.sh", tmp_path, cache_dir, STEPS="2", VARIANTS="vanilla jagg control",
-                           EVAL_PROMPTS="2", EVAL_IMAGES="1", SEEDS="7")
+def test_quality_script(script):
+    text, out = script
     base = out / "quality/flux/seed7"
     cmp = json.loads((base / "compare/comparison.json").read_text())
     assert [r["label"] for r in cmp["runs"]] == ["vanilla", "jagg", "control"]
@@ -78,14 +126,10 @@ def test_quality_script(tmp_path, cache_dir):
     assert "evaluation of the step-2 checkpoints" in text and "vanilla" in (base / "eval/table.md").read_text()
 
 
-def test_digits_script(tmp_path, cache_dir):
+def test_digits_script(script):
     """Two seeds x two variants x two steps on the shipped digits models, every checkpoint evaluated,
     the seed report and one fidelity table written."""
-    small = "--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 " \
-            "--update_batch_size 2"
-    text, out = run_script("digits.sh", tmp_path, cache_dir, SIZE_ARGS=small, SEEDS="1 2", STEPS="2", EVAL_EVERY="1",
-                           EVAL_IMAGES="1", VARIANTS="vanilla jagg_window", FID_ROLLOUTS="1", FID_SAMPLES="2",
-                           FID_GROUPINGS="window", PRESET="")   # the script sets its own preset
+    text, out = script
     assert "## Quality, flux" in text and "## Fidelity, grouping window" in text
     report = json.loads((out / "digits/quality/flux/report/report.json").read_text())
     assert [r["variant"] for r in report["rows"]] == ["vanilla", "jagg_window"]
@@ -109,11 +153,10 @@ def test_gpu_check_refuses_at_once_without_cuda(tmp_path):
     assert not (tmp_path / "out").exists() and time.time() - start < 60
 
 
-def test_flow_grpo_fast_script(tmp_path, cache_dir):
+def test_flow_grpo_fast_script(script):
     """benchmarks/flow_grpo_fast.sh: the Flux Flow-GRPO-Fast recipe (6 steps, window 3 in (0, 3), cps)
     through the train script into the micro-benchmark; the window's 3 transitions are one JAGG group."""
-    text, out = run_script("flow_grpo_fast.sh", tmp_path, cache_dir, BENCH_REPS="1",
-                           BENCH_MODES="vanilla,jagg_split,jagg_split_reuse")
+    text, out = script
     assert "# Flow-GRPO-Fast + JAGG (window K=3)" in text and "the paper's Flow-GRPO-Fast figure" in text
     bench = json.loads((out / "flow_grpo_fast/flux/bench_update.json").read_text())
     assert bench["sampling_steps"] == 6 and bench["sde_window_size"] == 3 and bench["train_transitions"] == 3

@@ -30,7 +30,7 @@ from jagg_patch import make_policy_update, make_window_selection
 from jagg_patch.upstream import (UpstreamChanged, UpstreamSourceChanged, apply, fingerprint, load_trainer, revert,
                                  run_main_block, source_hash)
 from jagg_patch.upstream.fingerprint import family_of
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, dist_check, dist_id
 
 ROOT = REPO_ROOT
 STANDIN = os.path.join(ROOT, "tests", "upstream_standin")
@@ -421,18 +421,14 @@ def test_fingerprint_command_prints_what_to_record(capsys):
 
 # ---------------------------------------------------------------- FSDP, as upstream wraps its transformer
 
-def test_two_fsdp_ranks_exact_and_jagg(cache_dir, tmp_path):
-    """tests/dist/upstream_fsdp_check.py under torchrun: exact mode == the stand-in's own step under
+@pytest.mark.parametrize("dist_result", [dist_check("upstream-fsdp", "upstream")], indirect=True,
+                         ids=dist_id)
+def test_two_fsdp_ranks_exact_and_jagg(dist_result):
+    """tests/dist/upstream_fsdp_check.py on two ranks: exact mode == the stand-in's own step under
     FSDP1 (measured 1.1e-7, float32), and JAGG with backward auto (batched on 2 ranks, one backward
     call per group) and rollout reuse == the mean over ranks of float64 single-process JAGG gradients
     (measured 2.1e-6: FSDP computes in float32)."""
-    out = tmp_path / "fsdp.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-                           os.path.join(ROOT, "tests", "dist", "upstream_fsdp_check.py"), cache_dir, str(out)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    result = dist_result
     assert result["world_size"] == 2 and result["same_names"] and result["ref_norm"] > 0
     assert result["rel_exact"] < 1e-5 and result["rel_jagg"] < 1e-5, result
     stats = result["stats"]
