@@ -104,6 +104,9 @@ def claim_output_dir(output_dir, run_id, resuming, overwrite, log=print):
                 glob.glob(os.path.join(output_dir, CHECKPOINT_GLOB + ".old")):
             shutil.rmtree(tmp, ignore_errors=True)  # half-written by a run that died while saving
         previous = previous_run_files(output_dir)
+        if previous and resuming and overwrite:
+            log(f"notice: --overwrite_output_dir is ignored: the run resumes, so the files in {output_dir!r} are "
+                "kept (to start afresh, drop --resume_from_checkpoint)")
         if previous and not resuming:
             if not overwrite:
                 raise ConfigError(

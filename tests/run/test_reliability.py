@@ -92,6 +92,18 @@ def test_a_used_folder_is_refused_unless_resumed_or_overwritten(make_args, tmp_p
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1-0"]
 
 
+def test_resume_says_that_it_ignores_overwrite(make_args, tmp_path, capsys):
+    """Both flags: the resume wins (the folder's files stay) and the run says so."""
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
+    capsys.readouterr()
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--overwrite_output_dir",
+                                   "--resume_from_checkpoint", "latest"))
+    printed = capsys.readouterr().out
+    assert "--overwrite_output_dir is ignored: the run resumes" in printed and str(out) in printed
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
 def test_the_lock_is_released_when_a_run_fails(make_args, tmp_path, monkeypatch):
     from dancegrpo.engines import fsdp
     monkeypatch.setattr(fsdp, "clip_grad_norm", lambda model, max_norm: float("nan"))
