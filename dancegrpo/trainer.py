@@ -26,7 +26,7 @@ from .algo.rollout import (Rollout, expand_groups, run_sample_step,  # noqa: F40
 from .build import describe, setup
 from .outputs import save, write_reward_curve, write_samples
 from .errors import Interrupted
-from .run.finite import require_finite
+from .run.finite import damaged_weights_hint, require_finite
 from .run.resume import plan_run
 from .run.signals import StopRequest, signal_name
 from .utils import checkpoint as ckpt
@@ -72,8 +72,9 @@ def prepare_update(ctx, select_train_steps=vanilla_selection, keep_outputs=False
     cond = {k: v.to(ctx.device) for k, v in cond.items()}
     rollout = sample_reference_model(ctx, cond, captions, noise_gen, keep_outputs=keep_outputs)
     all_rewards = gather_tensor(rollout.rewards)
-    require_finite("reward", all_rewards, ctx.step, ctx.device)
-    require_finite("rollout log-prob", rollout.log_probs, ctx.step, ctx.device)
+    damaged = lambda: damaged_weights_hint(ctx.transformer, ctx.device)  # noqa: E731 (asked only on NaN)
+    require_finite("reward", all_rewards, ctx.step, ctx.device, hint=damaged)
+    require_finite("rollout log-prob", rollout.log_probs, ctx.step, ctx.device, hint=damaged)
     advantages = compute_advantages(ctx, rollout.rewards, all_rewards, host_gen)
     require_finite("advantage", advantages, ctx.step, ctx.device)
     selection_rng = host_gen.get_state()

@@ -153,6 +153,24 @@ def test_diverging_run_stops_with_exit_3_and_clean_checkpoints(cache_dir, tmp_pa
         assert all(torch.isfinite(t).all() for t in weights(out / name).values())
 
 
+def test_a_model_file_with_nan_weights_is_called_damaged_not_diverged(make_args, tmp_path):
+    """The run never steps on NaN, so NaN weights at a NaN rollout came from the files: the message
+    says so instead of advising a lower learning rate."""
+    from safetensors.torch import save_file
+    model = tmp_path / "model"
+    shutil.copytree(make_args().pretrained_model_name_or_path, model, ignore=shutil.ignore_patterns("data"))
+    state = load_file(model / "transformer" / WEIGHTS)
+    name = sorted(state)[0]
+    state[name] = torch.full_like(state[name], float("nan"))
+    save_file(state, model / "transformer" / WEIGHTS)
+    with pytest.raises(NonFiniteError) as stop:
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--pretrained_model_name_or_path", model))
+    message = str(stop.value)
+    assert "is not finite at step 1" in message and "damaged" in message and "--pretrained_model_name_or_path" in message
+    assert "diverged" not in message and "learning_rate" not in message
+    assert not any(p.startswith("checkpoint") for p in os.listdir(make_args().output_dir))
+
+
 @pytest.mark.parametrize("quantity", ["loss", "grad norm"])
 def test_nonfinite_loss_or_grad_norm_stops_before_the_optimizer_step(make_args, tmp_path, monkeypatch, quantity):
     from dancegrpo.algo import grpo
