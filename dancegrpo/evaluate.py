@@ -39,6 +39,7 @@ import time
 import torch
 
 from . import presets
+from .adapters.origin import AdapterMismatch, check_adapter, origin_problem, read_origin
 from .errors import NonFiniteError
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
 from .models.base import compute_autocast
@@ -200,6 +201,27 @@ def transformer_folder(path):
                     f"({LORA_FILE}), nor a base model folder with transformer/config.json")
 
 
+def precheck_checkpoint(path, base, cls_name):
+    """Before anything loads: `path` is a transformer, and an adapter comes with its base and was
+    recorded (when it was) as trained on this family's transformer and the base's architecture."""
+    folder, sub = transformer_folder(path)
+    if sub != LORA_FILE:
+        return
+    if not base:
+        raise EvalError(f"{path!r} is a LoRA adapter: pass --pretrained_model_name_or_path (its base model)")
+    record = read_origin(os.path.join(folder, LORA_FILE))
+    if record is None:
+        return   # checked key by key once the base is loaded
+    base_folder, base_sub = transformer_folder(base)
+    if base_sub == LORA_FILE:
+        raise EvalError(f"--pretrained_model_name_or_path {base!r} is a LoRA adapter, not a base model")
+    with open(os.path.join(base_folder, base_sub or "", "config.json")) as f:
+        config = {**json.load(f), "_class_name": cls_name}
+    problem = origin_problem(record, config, path)
+    if problem:
+        raise EvalError(problem)
+
+
 def load_transformer(cls_name, path, device, base=None):
     """The transformer of `path`; a LoRA checkpoint is loaded onto `base`'s transformer with
     diffusers' load_lora_adapter (alpha from the adapter's stored LoraConfig)."""
@@ -209,6 +231,10 @@ def load_transformer(cls_name, path, device, base=None):
         if not base:
             raise EvalError(f"{path!r} is a LoRA adapter: pass --pretrained_model_name_or_path (its base model)")
         model = load_transformer(cls_name, base, device)
+        try:
+            check_adapter(os.path.join(folder, LORA_FILE), model)
+        except AdapterMismatch as e:
+            raise EvalError(str(e)) from None
         model.load_lora_adapter(folder, prefix="transformer", weight_name=LORA_FILE)
         return model.eval().requires_grad_(False)
     with open(os.path.join(folder, sub or "", "config.json")) as f:
@@ -378,7 +404,7 @@ def run(args):
         raise EvalError(str(e)) from None
     prompt_ids = select_prompts(args, dataset)
     for _, path in args.checkpoints:  # fail before any expensive work
-        transformer_folder(path)
+        precheck_checkpoint(path, args.pretrained_model_name_or_path, transformer_cls)
     vae = load_vae(vae_cls, args, device)
     metric_fn = WeightedReward(args.metric_terms, device, args)
     names = [n for n, _ in args.metric_terms]

@@ -8,7 +8,8 @@ the model and read `requires_grad` parameters).
 
 Checkpoints hold the adapter in diffusers' LoRA format, `pytorch_lora_weights.safetensors` with
 keys `transformer.<module>.lora_A.weight` / `lora_B.weight` and the LoraConfig as metadata (so
-the alpha survives: diffusers otherwise assumes alpha = rank), which
+the alpha survives: diffusers otherwise assumes alpha = rank) and the record of the model it was
+trained on (dancegrpo.adapters.origin: checked wherever an adapter is loaded), which
 `FluxPipeline.load_lora_weights(dir)` / `QwenImagePipeline.load_lora_weights(dir)` read; with
 `--lora_save_merged` also `merged/`, a full transformer folder with W + (alpha / r) B A.
 """
@@ -16,10 +17,11 @@ import json
 import os
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..utils.checkpoint import LORA_WEIGHTS_NAME, write_transformer_folder
 from ..errors import ConfigError
+from .origin import ORIGIN_KEY, AdapterMismatch, check_adapter, origin_record
 
 PREFIX = "transformer."
 ADAPTER = "default"
@@ -118,13 +120,23 @@ class LoraWeights:
 
     def write(self, folder, state, model_config):
         import diffusers
-        metadata = json.loads(json.dumps(self.config.to_dict(), default=sorted))  # sets -> lists
         pipeline = getattr(diffusers, self.pipeline_class_name)
         pipeline.save_lora_weights(folder, transformer_lora_layers={k[len(PREFIX):]: v for k, v in
                                                                     adapter_state(state).items()},
-                                   transformer_lora_adapter_metadata=metadata)
+                                   save_function=self._save_function(pipeline, model_config))
         if self.save_merged:
             write_transformer_folder(os.path.join(folder, "merged"), merged_state(state, self.scale), model_config)
+
+    def _save_function(self, pipeline, model_config):
+        """diffusers' safetensors writer, with the LoraConfig metadata as it writes it (keys under the
+        transformer's prefix, so the alpha survives), plus the record of the model the adapter belongs
+        to (dancegrpo.adapters.origin). A writer of its own, because diffusers' takes no extra metadata."""
+        from diffusers.loaders.lora_base import LORA_ADAPTER_METADATA_KEY
+        config = json.loads(json.dumps(self.config.to_dict(), default=sorted))   # sets -> lists
+        packed = {f"{pipeline.transformer_name}.{k}": v for k, v in config.items()}
+        metadata = {"format": "pt", LORA_ADAPTER_METADATA_KEY: json.dumps(packed, indent=2, sort_keys=True),
+                    ORIGIN_KEY: json.dumps(origin_record(model_config), sort_keys=True)}
+        return lambda weights, filename: save_file(weights, filename, metadata=metadata)
 
     @staticmethod
     def read_state(folder):
@@ -140,6 +152,10 @@ class LoraWeights:
     def load_into(self, raw_model, folder):
         """Load a checkpoint's adapter into a model that already has it (before FSDP)."""
         state = self.read_state(folder)
+        try:
+            check_adapter(os.path.join(folder, LORA_WEIGHTS_NAME), raw_model)
+        except AdapterMismatch as e:
+            raise ConfigError(str(e)) from None
         params = {k: p for k, p in raw_model.named_parameters() if is_adapter_key(k)}
         if set(state) != set(params):
             extra, missing = sorted(set(state) - set(params)), sorted(set(params) - set(state))

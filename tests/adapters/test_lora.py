@@ -2,6 +2,8 @@
 the adapter out by hand (W + alpha / r * B A, no peft), vanilla and JAGG; only the adapter trains;
 resume is bit-exact; the saved adapter loads into a diffusers pipeline with its alpha."""
 
+import shutil
+
 import pytest
 import torch
 from torch.func import functional_call
@@ -256,3 +258,63 @@ def test_evaluate_reads_a_lora_checkpoint_like_its_merged_weights(make_args, tmp
                        "--data_json_path", args.data_json_path, "--output_dir", str(tmp_path / "e2"),
                        "--checkpoint", f"lora={folder}"])
     assert "is a LoRA adapter: pass --pretrained_model_name_or_path" in capsys.readouterr().err
+
+
+def _strip_origin(folder):
+    """The adapter as another tool would write it: diffusers' keys and LoraConfig, no origin record."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from dancegrpo.adapters.origin import ORIGIN_KEY
+    path = str(folder / "pytorch_lora_weights.safetensors")
+    with safe_open(path, "pt") as f:
+        metadata = {k: v for k, v in f.metadata().items() if k != ORIGIN_KEY}
+    save_file(load_file(path), path, metadata=metadata)
+
+
+def test_an_adapter_is_refused_on_the_other_family_wherever_it_loads(make_args, tmp_path, cache_dir, capsys):
+    """A Flux adapter given to Qwen-Image (evaluate, and the trainer's resume) is refused with both
+    families named, before it loads; without its origin record, by its keys that fit no layer."""
+    from dancegrpo import evaluate
+    from dancegrpo.errors import ConfigError
+    from dancegrpo.models.qwenimage import QwenImageFamily
+    train_grpo_flux.main(make_args(*FAST, *LORA, "--max_train_steps", 1, "--output_dir", tmp_path / "run"))
+    folder = tmp_path / "run" / "checkpoint-1-0"
+    qwen = ["--family", "qwenimage", "--preset", "tiny", "--cache_dir", cache_dir, "--metrics", "jpeg",
+            "--max_prompts", "1", "--num_images_per_prompt", "1", "--checkpoint", f"lora={folder}"]
+    with pytest.raises(SystemExit):
+        evaluate.main([*qwen, "--output_dir", str(tmp_path / "eval")])
+    err = capsys.readouterr().err
+    assert "FluxTransformer2DModel (flux)" in err and "QwenImageTransformer2DModel (qwenimage)" in err
+    assert not (tmp_path / "eval").exists()   # refused before anything ran
+    args = make_args(*FAST, *LORA, "--allow_config_change", "--resume_from_lora_checkpoint", folder,
+                     "--output_dir", tmp_path / "q", module=train_grpo_qwenimage.__name__)
+    with pytest.raises(ConfigError, match=r"trained on a FluxTransformer2DModel \(flux\) but this model is a "
+                                          r"QwenImageTransformer2DModel \(qwenimage\)"):
+        trainer.setup(args, QwenImageFamily(args))
+    bare = tmp_path / "bare"   # the adapter file alone, without the record: as another tool writes it
+    bare.mkdir()
+    shutil.copy(folder / "pytorch_lora_weights.safetensors", bare)
+    _strip_origin(bare)
+    with pytest.raises(SystemExit):
+        evaluate.main([*qwen[:-1], f"lora={bare}", "--output_dir", str(tmp_path / "eval2")])
+    assert "fit no layer of this QwenImageTransformer2DModel" in capsys.readouterr().err
+    args.resume_from_checkpoint = str(bare)
+    with pytest.raises(ConfigError, match="fit no layer of this QwenImageTransformer2DModel"):
+        trainer.setup(args, QwenImageFamily(args))
+
+
+def test_an_adapter_is_refused_on_a_base_of_another_architecture(make_args, tmp_path):
+    """Same family, another base (a different layer count): the record names the differing entry."""
+    import json
+    from dancegrpo.errors import ConfigError
+    train_grpo_flux.main(make_args(*FAST, *LORA, "--max_train_steps", 1, "--output_dir", tmp_path / "run"))
+    base = tmp_path / "base"
+    shutil.copytree(make_args().pretrained_model_name_or_path, base, ignore=shutil.ignore_patterns("data"))
+    config = json.loads((base / "transformer" / "config.json").read_text())
+    config["num_single_layers"] += 1
+    (base / "transformer" / "config.json").write_text(json.dumps(config))
+    args = make_args(*FAST, *LORA, "--allow_config_change", "--pretrained_model_name_or_path", base,
+                     "--resume_from_checkpoint", tmp_path / "run" / "checkpoint-1-0", "--output_dir", tmp_path / "x")
+    with pytest.raises(ConfigError, match=rf"num_single_layers {config['num_single_layers'] - 1} -> "
+                                          rf"{config['num_single_layers']}\): pass its base model"):
+        trainer.setup(args, FluxFamily(args))
