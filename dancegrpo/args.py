@@ -67,7 +67,8 @@ def build_parser(family, description=None):
     g.add_argument("--allow_config_change", action="store_true",
                    help="Resume even though flags that change the run differ from the checkpoint's.")
     g.add_argument("--checkpoints_total_limit", type=int, default=None,
-                   help="Keep only the newest N checkpoints (default: keep all).")
+                   help="Keep only the newest N checkpoints (default: keep all); older ones are deleted before "
+                        "the next is written, never the newest complete one or the one the run resumed from.")
     g.add_argument("--sample_every", type=int, default=0,
                    help="Write a grid of samples (fixed prompts x fixed noise, ODE) to <output_dir>/samples/ "
                         "before training, every N steps and at the end (0: never).")

@@ -13,8 +13,8 @@ from .utils.plots import moving_average, plot_reward_curves
 
 
 def save(ctx, step):
-    """A checkpoint of the weights after `step`'s update, after checking they are finite; then
-    --checkpoints_total_limit retention."""
+    """A checkpoint of the weights after `step`'s update, after checking they are finite, with
+    --checkpoints_total_limit retention before and after it."""
     finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
     require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
                    " (checked before writing a checkpoint, which was not written)")
@@ -23,6 +23,9 @@ def save(ctx, step):
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
             ema_state = ctx.engine.full_state(weights_format.trainable_only)
+    if ctx.rank == 0:   # retention before the write: the disk never needs room for the limit + 1
+        ckpt.make_room(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
+                       ckpt.checkpoint_dir(ctx.args.output_dir, step), protect=(ctx.extra.get("resumed_from"),))
     path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
                                 ema_state=ema_state, extra_state={"seed": ctx.seed},
                                 run_config=snapshot(ctx.args, ctx.seed), weights_format=weights_format)

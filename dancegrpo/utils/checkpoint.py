@@ -24,6 +24,7 @@ import zipfile
 
 import torch
 from safetensors import safe_open
+from torch.distributed.checkpoint.api import CheckpointException
 from safetensors.torch import load_file, save_file
 
 from . import optimizer_shards
@@ -110,24 +111,35 @@ def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config,
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _is_disk_full(error):
-    """An ENOSPC / EDQUOT anywhere in `error` (DCP reports a rank's write failure wrapped, with text)."""
-    seen = error
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return "No space left on device" in str(error) or "Disk quota exceeded" in str(error)
+def _causes(error):
+    """`error`, what it was raised from, and the per-rank failures a DCP CheckpointException wraps."""
+    seen, todo = [], [error]
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is s for s in seen):
+            continue
+        seen.append(e)
+        failures = getattr(e, "failures", {}).values()   # rank -> (exception, its traceback)
+        todo += [e.__cause__, e.__context__, *(f[0] if isinstance(f, tuple) else f for f in failures)]
+    return seen
 
 
-def _disk_full(output_dir, final, error):
+def _disk_full_cause(error):
+    """The ENOSPC / EDQUOT OSError in `error`, else None (True when only its text says so)."""
+    for e in _causes(error):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return e
+    return "No space left on device" in str(error) or "Disk quota exceeded" in str(error) or None
+
+
+def _disk_full(output_dir, final, cause):
     previous = latest_checkpoint(output_dir)
     kept = f"the previous checkpoint {previous!r} is intact" if previous else "no earlier checkpoint exists"
-    why = getattr(error, "strerror", None) or error
+    why = getattr(cause, "strerror", None) or "No space left on device"
     return DiskFullError(
         f"no space left to write {os.path.basename(final)} in {output_dir!r} ({why}). The partial folder was "
-        f"removed; {kept}. Free space, or keep fewer checkpoints with --checkpoints_total_limit N, then resume "
-        "with --resume_from_checkpoint latest.")
+        f"removed; {kept}. Free space, or keep fewer checkpoints with --checkpoints_total_limit N (older ones "
+        "are deleted before the next is written), then resume with --resume_from_checkpoint latest.")
 
 
 def save_checkpoint(output_dir, step, epoch, engine, config, rank, ema_state=None, extra_state=None,
@@ -149,8 +161,8 @@ def save_checkpoint(output_dir, step, epoch, engine, config, rank, ema_state=Non
             state = {"step": step, "epoch": epoch, "lr_scheduler": engine.lr_scheduler.state_dict(),
                      **(extra_state or {})}
             _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config, weights_format)
-    except Exception as e:  # noqa: BLE001  (DCP wraps a rank's OSError in its own exception type)
-        error = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP wraps a rank's OSError in its own
+        error = e                                    # exception type, a BaseException)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     # Agreed over ranks (rank 0's own writes can fail alone), so no rank trains on without the checkpoint.
@@ -158,8 +170,9 @@ def save_checkpoint(output_dir, step, epoch, engine, config, rank, ema_state=Non
         if error is None:
             raise RunHalted(f"{os.path.basename(final)} could not be written (another rank's error says why); "
                             "resume with --resume_from_checkpoint latest")
-        if _is_disk_full(error):
-            raise _disk_full(output_dir, final, error) from None
+        cause = _disk_full_cause(error)
+        if cause:
+            raise _disk_full(output_dir, final, cause) from None
         raise error
     return final
 
@@ -258,6 +271,23 @@ def prune_checkpoints(output_dir, keep, protect=()):
         return []
     removed, spared = [], {os.path.abspath(p) for p in protect if p}
     for _, path in checkpoints_by_step(output_dir)[keep:]:
+        if os.path.abspath(path) not in spared:
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
+
+
+def make_room(output_dir, keep, writing, protect=()):
+    """Before `writing` is written: delete the oldest checkpoints so that with it at most `keep`
+    remain (a disk that holds `keep` checkpoints then never needs room for keep + 1), never the
+    newest complete one, `writing`'s own folder (replaced only once the new one is whole) or those
+    in `protect` (the one the run resumed from)."""
+    if not keep:
+        return []
+    spared = {os.path.abspath(p) for p in (*protect, latest_checkpoint(output_dir), writing) if p}
+    others = [p for _, p in checkpoints_by_step(output_dir) if os.path.abspath(p) != os.path.abspath(writing)]
+    removed = []
+    for path in others[keep - 1:]:
         if os.path.abspath(path) not in spared:
             shutil.rmtree(path)
             removed.append(path)

@@ -439,6 +439,41 @@ def test_a_full_disk_keeps_the_previous_checkpoint(make_args, tmp_path, monkeypa
     assert ckpt.checkpoint_problem(str(out / "checkpoint-1-0")) is None
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 5 MB file system (tmpfs): room for three tiny-preset checkpoints (1.39 MB each), not four."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=5m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root and mount rights): {mounted.stderr.strip()}")
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_real_full_disk_stops_with_the_message_and_the_limit_makes_room(small_disk, cache_dir, capsys):
+    """The disk fills while DCP writes the optimizer shard (its CheckpointException is a
+    BaseException): exit 3 with the message, no .tmp left, the earlier checkpoints whole. The advice
+    works: --checkpoints_total_limit 1 deletes the older checkpoints BEFORE the next write, sparing the
+    one resumed from, so the resumed run ends on a disk that holds three."""
+    out = small_disk / "out"
+    run = ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, *FAST, "--max_train_steps", 6,
+           "--checkpointing_steps", 1, "--output_dir", out]
+    status = run_main(*run)
+    err = capsys.readouterr().err
+    assert status == 3, err[-2000:]
+    assert "no space left to write checkpoint-4-0" in err and "checkpoint-3-0' is intact" in err
+    assert "Traceback" not in err
+    assert sorted(os.listdir(out)) == [".run.lock", "checkpoint-1-0", "checkpoint-2-0", "checkpoint-3-0",
+                                       "metrics.jsonl", "reward.txt"]   # no .tmp folder left
+    assert all(ckpt.checkpoint_problem(str(out / f"checkpoint-{n}-0")) is None for n in (1, 2, 3))
+    status = run_main(*run, "--checkpoints_total_limit", 1, "--resume_from_checkpoint", "latest",
+                      "--allow_config_change")
+    assert status == 0, capsys.readouterr().err[-2000:]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-6-0"]
+
+
 def test_checkpoint_files_follow_the_umask(make_args, tmp_path):
     old = os.umask(0o022)
     try:
