@@ -2,6 +2,7 @@
 defaults, plus this project's (preset, reward, batching, control). Flags that
 did nothing upstream are accepted and say so in their help."""
 import argparse
+import json
 import re
 import sys
 
@@ -10,7 +11,7 @@ from .utils.fsdp_util import SHARDING_STRATEGIES, WEIGHT_TYPES
 from .engines import add_engine_args, validate_engine_args
 from .algo.advantages import ADVANTAGES
 from .adapters.lora import add_lora_args, validate_lora_args
-from .rewards import add_reward_args, resolve_reward_spec
+from .rewards import add_reward_args, check_reward_prompts, resolve_reward_spec
 
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
 
@@ -269,3 +270,16 @@ def validate_args(args):
     validate_lora_args(args)
     validate_engine_args(args)
     args.reward_terms = resolve_reward_spec(args)
+    captions = read_captions(args.data_json_path)
+    if captions:
+        check_reward_prompts(args.reward_terms, captions, args.data_json_path)
+
+
+def read_captions(json_path):
+    """The prompts of the data JSON, or None when it cannot be read (the dataset's own checks say why)."""
+    try:
+        with open(json_path) as f:
+            items = json.load(f)
+        return [item["caption"] for item in items]
+    except (OSError, TypeError, ValueError, KeyError):
+        return None

@@ -27,6 +27,7 @@ from .build import describe, setup
 from .outputs import save, write_reward_curve, write_samples
 from .errors import Interrupted
 from .run.finite import damaged_weights_hint, require_finite
+from .run.preflight import preflight
 from .run.resume import plan_run
 from .run.signals import StopRequest, signal_name
 from .utils import checkpoint as ckpt
@@ -181,13 +182,14 @@ def run(args, family, train_one_step_fn):
     """The training loop. `train_one_step_fn(ctx) -> record` is the trainer module's
     own `train_one_step`, looked up at call time so a run-time patch applies.
 
-    Before anything is loaded, rank 0 locks the output folder and checks the resume (plan_run);
-    the lock is held until the run ends, however it ends."""
+    Before anything is loaded, rank 0 checks the model and data files (preflight), locks the output
+    folder and checks the resume (plan_run); the lock is held until the run ends, however it ends."""
     rank = init_distributed()[0]
     run_id = uuid.uuid4().hex[:12]
     held = {}
 
     def decide():
+        preflight(args, family)
         held["lock"], plan = plan_run(args, run_id)
         return plan
 

@@ -11,9 +11,10 @@ import json
 import torch
 from safetensors import safe_open
 
+from ..models.base import FAMILY_OF_CLASS
+
 ORIGIN_KEY = "dancegrpo_origin"   # safetensors metadata: JSON of origin_record
 PREFIX = "transformer."
-FAMILY_OF_CLASS = {"FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwenimage"}
 
 
 class AdapterMismatch(ValueError):

@@ -96,7 +96,7 @@ def check_model_files(folder, fix):
     config = os.path.join(folder, "config.json")
     try:
         with open(config) as f:
-            json.load(f)
+            parsed = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config!r} is not valid JSON ({e}); {fix}") from None
     for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
@@ -105,6 +105,25 @@ def check_model_files(folder, fix):
                 f.keys()
         except Exception as e:  # noqa: BLE001  (the safetensors error type is not public API)
             raise ConfigError(f"{path!r} is corrupt or truncated ({e}); {fix}") from None
+    return parsed
+
+
+# The family of each transformer class, to name the right trainer (dancegrpo.train_grpo_<family>) for
+# another family's folder or adapter.
+FAMILY_OF_CLASS = {"FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwenimage"}
+
+
+def require_family(config, expected, folder):
+    """The transformer folder holds `expected` (a diffusers class name), else one line naming the trainer
+    for what it holds."""
+    found = config.get("_class_name")
+    if found == expected:
+        return
+    family = FAMILY_OF_CLASS.get(found)
+    fix = (f"train it with `python -m dancegrpo.train_grpo_{family}`, or point --pretrained_model_name_or_path at a {expected} "
+           "model folder" if family else f"point --pretrained_model_name_or_path at a {expected} model folder")
+    raise ConfigError(f"{folder!r} holds a {found or 'model without _class_name in its config.json'}, not this "
+                      f"trainer's {expected}: {fix}")
 
 
 class ModelFamily:
@@ -131,16 +150,30 @@ class ModelFamily:
     transformer_class_name = ""
     vae_class_name = ""
 
+    # Shapes of one prompt's embedding files, per cond key: tuples of sizes (None: any), sizes from the
+    # transformer's config; every prompt's must be alike (they are stacked into batches).
+    def embedding_layout(self, config):
+        raise NotImplementedError
+
+    def check_files(self, args):
+        """Before anything loads: the model folders are there, whole (config.json parses, safetensors
+        headers read) and hold this family's transformer; returns the transformer's config."""
+        path = args.pretrained_model_name_or_path
+        require_model_folder(path, ["transformer", "vae"], "--preset tiny")
+        fix = "download the weights again (or delete the preset's cache folder to rebuild it)"
+        folder = os.path.join(args.dit_model_name_or_path or path, "transformer")
+        config = check_model_files(folder, fix)
+        require_family(config, self.transformer_class_name, folder)
+        check_model_files(os.path.join(args.vae_model_path or path, "vae"), fix)
+        return config
+
     def load(self, args, device):
         """(transformer in float32 = master weights, frozen vae: bf16 and tiled on GPU) from a local
         diffusers folder."""
         import diffusers
         import torch
         path = args.pretrained_model_name_or_path
-        require_model_folder(path, ["transformer", "vae"], "--preset tiny")
-        fix = "download the weights again (or delete the preset's cache folder to rebuild it)"
-        check_model_files(os.path.join(args.dit_model_name_or_path or path, "transformer"), fix)
-        check_model_files(os.path.join(args.vae_model_path or path, "vae"), fix)
+        self.check_files(args)
         transformer = getattr(diffusers, self.transformer_class_name).from_pretrained(
             args.dit_model_name_or_path or path, subfolder="transformer", torch_dtype=torch.float32)
         vae_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -28,6 +28,12 @@ class FluxFamily(ModelFamily):
     vae_class_name = "AutoencoderKL"
     pipeline_class_name = "FluxPipeline"  # its save_lora_weights / load_lora_weights: the LoRA file format
 
+    def embedding_layout(self, config):
+        # T5 tokens x joint_attention_dim, CLIP pooled, and text_ids as upstream saves it ([3]) or repeated ([T, 3]).
+        return {"encoder_hidden_states": ((None, config["joint_attention_dim"]),),
+                "pooled_prompt_embeds": ((config["pooled_projection_dim"],),),
+                "text_ids": ((3,), (None, 3))}
+
     def __init__(self, args):
         super().__init__(args)
         self.guidance = getattr(args, "guidance", 3.5)

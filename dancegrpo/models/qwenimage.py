@@ -30,6 +30,11 @@ class QwenImageFamily(ModelFamily):
     vae_class_name = "AutoencoderKLQwenImage"
     pipeline_class_name = "QwenImagePipeline"  # its save_lora_weights / load_lora_weights: the LoRA file format
 
+    def embedding_layout(self, config):
+        # Qwen2.5-VL tokens (padded) x joint_attention_dim, and their mask.
+        return {"encoder_hidden_states": ((None, config["joint_attention_dim"]),),
+                "encoder_hidden_states_mask": ((None,),)}
+
     def __init__(self, args):
         super().__init__(args)
         self.guidance = getattr(args, "guidance", 3.5)

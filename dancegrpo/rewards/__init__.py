@@ -19,6 +19,20 @@ _LAZY = {
     "digit_heldout": "dancegrpo.rewards.digit:build_heldout",
 }
 
+# Rewards that read something from the prompt name a check of the prompts, run before training.
+_PROMPT_CHECKS = {
+    "digit": "dancegrpo.rewards.digit:check_prompts",
+    "digit_heldout": "dancegrpo.rewards.digit:check_prompts",
+}
+
+
+def check_reward_prompts(terms, captions, source):
+    """ConfigError when a reward in `terms` cannot score these prompts (each reward's own rule)."""
+    for name, _ in terms:
+        if name in _PROMPT_CHECKS:
+            module, attr = _PROMPT_CHECKS[name].split(":")
+            getattr(importlib.import_module(module), attr)(name, captions, source)
+
 
 def register_reward(name):
     """Decorator: register `factory(device, options) -> reward_fn` under `name`."""

@@ -14,6 +14,7 @@ on the held-out real digits is in the tests.
 import torch
 
 from ..digits import data
+from ..errors import ConfigError
 from ..digits.classifiers import logistic_classifier, neighbours_classifier
 
 
@@ -45,3 +46,17 @@ def build_digit(device=None, options=None):
 
 def build_heldout(device=None, options=None):
     return DigitCorrect(neighbours_classifier())
+
+
+def check_prompts(name, captions, source):
+    """Before training: every prompt names one digit (the reward reads its target from the prompt)."""
+    bad = []
+    for caption in captions:
+        try:
+            data.digit_of_prompt(caption)
+        except ValueError:
+            bad.append(caption)
+    if bad:
+        raise ConfigError(f"reward {name!r} scores the digit a prompt names, but {len(bad)} of {len(captions)} "
+                          f"prompts in {source!r} name no single digit (e.g. {bad[0]!r}): train it on the digits "
+                          "world (--preset digits) or on prompts naming one digit 0-9, or choose another reward")

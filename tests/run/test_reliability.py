@@ -342,11 +342,62 @@ def _alive(pid):
 
 # ------------------------------------------------------------------ 7. early checks
 def _no_model_loading(monkeypatch):
+    """Fail the test if the transformer, VAE or a reward model is loaded."""
+    from dancegrpo import build
     from dancegrpo.models.base import ModelFamily
 
     def refuse(*a, **kw):
         raise AssertionError("a model was loaded before the input was checked")
     monkeypatch.setattr(ModelFamily, "load", refuse)
+    monkeypatch.setattr(build, "WeightedReward", refuse)
+
+
+def _damage_truncate(path):
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+    return "cannot be read .* truncated or damaged"
+
+
+def _damage_width(path):
+    torch.save(torch.zeros(8, 48), path)   # another text encoder's width: this model's is 32
+    return r"holds a \[8, 48\] tensor where this model's encoder_hidden_states is \[T, 32\]"
+
+
+def _damage_length(path):
+    torch.save(torch.zeros(6, 32), path)   # another --max_sequence_length than the other prompts
+    return r"encoder_hidden_states files .* differ in shape \(\[8, 32\] in .*\[6, 32\] in"
+
+
+@pytest.mark.parametrize("damage", [_damage_truncate, _damage_width, _damage_length],
+                         ids=["truncated", "width", "length"])
+def test_a_damaged_or_reshaped_embedding_file_is_named_before_loading(make_args, tmp_path, monkeypatch, damage):
+    """A batch that would draw it crashes steps later with a traceback; found before anything loads."""
+    data = tmp_path / "data"
+    shutil.copytree(os.path.dirname(make_args().data_json_path), data)
+    victim = data / "prompt_embed" / sorted(os.listdir(data / "prompt_embed"))[-1]
+    message = damage(victim)
+    _no_model_loading(monkeypatch)
+    with pytest.raises(ConfigError, match=message) as refused:
+        train_grpo_flux.main(make_args("--data_json_path", data / "prompts.json"))
+    assert victim.name in str(refused.value) and "preprocessing" in str(refused.value)
+
+
+@pytest.mark.parametrize("trainer,other", [(train_grpo_flux, train_grpo_qwenimage),
+                                           (train_grpo_qwenimage, train_grpo_flux)], ids=["flux", "qwenimage"])
+def test_the_other_familys_model_folder_names_its_trainer(make_args, monkeypatch, trainer, other):
+    other_model = make_args(module=other.__name__).pretrained_model_name_or_path
+    _no_model_loading(monkeypatch)
+    with pytest.raises(ConfigError, match=f"holds a {other.FAMILY.transformer_class_name}, not this trainer's "
+                                          f"{trainer.FAMILY.transformer_class_name}: train it with "
+                                          f"`python -m {other.__name__}`"):
+        trainer.main(make_args("--pretrained_model_name_or_path", other_model, module=trainer.__name__))
+
+
+def test_the_digit_reward_needs_digit_prompts_at_parse_time(make_args, capsys):
+    with pytest.raises(SystemExit) as stop:
+        make_args("--reward", "digit")   # the tiny preset's prompts are scenes, not digits
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "prompts in" in err and "name no single digit" in err and "--preset digits" in err
+    assert make_args("--reward", "digit", preset="digits").reward_terms == [("digit", 1.0)]
 
 
 def test_a_missing_embedding_file_is_found_before_loading(make_args, tmp_path, monkeypatch):
