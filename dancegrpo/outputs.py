@@ -28,7 +28,7 @@ def save(ctx, step):
                        ckpt.checkpoint_dir(ctx.args.output_dir, step), protect=(ctx.extra.get("resumed_from"),))
     path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
                                 ema_state=ema_state, extra_state={"seed": ctx.seed},
-                                run_config=snapshot(ctx.args, ctx.seed), weights_format=weights_format)
+                                run_config=snapshot(ctx.args, ctx.seed, ctx.world_size), weights_format=weights_format)
     if ctx.rank == 0:
         ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
                                protect=(path, ctx.extra.get("resumed_from")))

@@ -184,13 +184,13 @@ def run(args, family, train_one_step_fn):
 
     Before anything is loaded, rank 0 checks the model and data files (preflight), locks the output
     folder and checks the resume (plan_run); the lock is held until the run ends, however it ends."""
-    rank = init_distributed()[0]
+    rank, world_size = init_distributed()[:2]
     run_id = uuid.uuid4().hex[:12]
     held = {}
 
     def decide():
         preflight(args, family)
-        held["lock"], plan = plan_run(args, run_id)
+        held["lock"], plan = plan_run(args, run_id, world_size=world_size)
         return plan
 
     plan = decide_on_rank0(decide, rank)

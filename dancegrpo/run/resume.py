@@ -8,11 +8,11 @@ import random
 
 from ..utils import checkpoint as ckpt
 from ..errors import ConfigError
-from .run_config import describe_differences, differences, snapshot
+from .run_config import describe_differences, differences, snapshot, world_size_change
 from .rundir import claim_output_dir
 
 
-def plan_run(args, run_id, log=print):
+def plan_run(args, run_id, log=print, world_size=1):
     """Rank 0, before any model is loaded: which checkpoint to resume, with which seed, into a
     locked output folder. Returns (lock, {"resume": path or None, "seed": int})."""
     resume = ckpt.resolve_resume_path(args.resume_from_checkpoint, args.output_dir, log=log) \
@@ -35,11 +35,23 @@ def plan_run(args, run_id, log=print):
         elif resume and saved is None:
             log(f"notice: {resume!r} has no {ckpt.CONFIG_NAME}: the flags cannot be compared with the run that "
                 "wrote it")
-        diffs = differences(saved, snapshot(args, seed)) if saved else []
+        current = snapshot(args, seed, world_size)
+        diffs = differences(saved, current) if saved else []
+        ranks = world_size_change(saved, current) if saved else None
+        if ranks and not args.allow_config_change:
+            # Named first: the per-rank values a preset splits over the ranks differ only because of it.
+            also = f" (so do per-rank flags: {describe_differences(diffs)})" if diffs else ""
+            raise ConfigError(f"resuming {resume!r}, written by {ranks[0]} rank(s), on {ranks[1]}{also}. Resume "
+                              f"with {ranks[0]} rank(s) (torchrun --nproc_per_node {ranks[0]}) to continue the run "
+                              "exactly, or pass --allow_config_change to continue on this many (the result will not "
+                              "match an unbroken run).")
         if diffs and not args.allow_config_change:
             raise ConfigError(f"resuming {resume!r} with flags that change the run: {describe_differences(diffs)}. "
                               "Use the checkpoint's values, or pass --allow_config_change to continue with the new "
                               "ones (the result will not match an unbroken run).")
+        if ranks:
+            log(f"warning: --allow_config_change: continuing {resume!r}, written by {ranks[0]} rank(s), on "
+                f"{ranks[1]}")
         if diffs:
             log(f"warning: --allow_config_change: continuing {resume!r} with {describe_differences(diffs)}")
     except BaseException:

@@ -15,16 +15,27 @@ NEUTRAL = frozenset({
 MISSING = "(not set)"
 
 
-def snapshot(args, seed):
-    """JSON-safe {flag: value} of the run, with the seed actually used."""
+WORLD_SIZE = "world_size"   # not a flag: the number of ranks that ran it
+
+
+def snapshot(args, seed, world_size):
+    """JSON-safe {flag: value} of the run, with the seed actually used and the rank count."""
     config = json.loads(json.dumps(vars(args), default=str))
     config["seed"] = seed
+    config[WORLD_SIZE] = world_size
     return config
+
+
+def world_size_change(saved, current):
+    """(saved, current) rank counts when they differ, else None (a checkpoint that predates the
+    record is taken as written by the current count)."""
+    before, now = saved.get(WORLD_SIZE, current[WORLD_SIZE]), current[WORLD_SIZE]
+    return (before, now) if before != now else None
 
 
 def differences(saved, current):
     """[(flag, saved value, current value)] over the flags that change the run."""
-    keys = (set(saved) | set(current)) - NEUTRAL
+    keys = (set(saved) | set(current)) - NEUTRAL - {WORLD_SIZE}
     return [(k, saved.get(k, MISSING), current.get(k, MISSING)) for k in sorted(keys)
             if saved.get(k, MISSING) != current.get(k, MISSING)]
 

@@ -15,7 +15,7 @@ from dancegrpo.utils import checkpoint as ckpt
 from dancegrpo import train_grpo_flux
 from dancegrpo.trainer import setup
 
-from helpers import FAST, REPO_ROOT
+from helpers import FAST, REPO_ROOT, run_main
 
 REPO = REPO_ROOT
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -35,7 +35,7 @@ def _finish(proc, limit=300):
     assert proc.returncode == 0, err[-3000:]
 
 
-def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_path):
+def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     _finish(_launch(cache_dir, a, "--max_train_steps", 3))
 
@@ -66,6 +66,23 @@ def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_p
     from diffusers import FluxTransformer2DModel
     model = FluxTransformer2DModel.from_pretrained(str(b / "checkpoint-3-0"))
     assert sum(p.numel() for p in model.parameters()) == sum(t.numel() for t in wa.values())
+    _resume_on_one_rank(cache_dir, b, capsys)
+
+
+def _resume_on_one_rank(cache_dir, out, capsys):
+    """The 2-rank run resumed in one process: refused naming the rank counts first (the per-rank flags a
+    preset splits over the ranks differ only because of them); with --allow_config_change it continues
+    from the 2-rank optimizer shards."""
+    run = ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
+           "--max_train_steps", 4, "--checkpointing_steps", 1, "--resume_from_checkpoint", "latest"]
+    capsys.readouterr()
+    assert run_main(*run) == 2
+    err = capsys.readouterr().err
+    assert "written by 2 rank(s), on 1 (so do per-rank flags: --gradient_accumulation_steps" in err, err[-2000:]
+    assert "torchrun --nproc_per_node 2" in err
+    assert run_main(*run, "--allow_config_change") == 0
+    assert "written by 2 rank(s), on 1" in capsys.readouterr().out
+    assert ckpt.checkpoint_problem(str(out / "checkpoint-4-0")) is None
 
 
 def _moment_elements_per_file(folder):
