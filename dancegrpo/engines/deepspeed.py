@@ -138,6 +138,14 @@ class DeepSpeedEngine(Engine):
     def state_setup(self, adapter):
         return f"zero{self.stage}"
 
+    @property
+    def weight_type(self):
+        """The dtype the engine holds parameters and gradients in: its config's (fp32 on CPU)."""
+        for key in ("bf16", "fp16"):
+            if (self.config.get(key) or {}).get("enabled"):
+                return key
+        return "fp32"
+
     def backward(self, outputs, grads=None):
         """autograd.backward(outputs, grads) as one engine.backward of a scalar; never a gradient
         accumulation boundary (how many passes a block has is the update's business)."""

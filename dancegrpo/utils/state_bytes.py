@@ -7,10 +7,12 @@ Setups (N ranks, P parameters, T of them trainable, AdamW with two moments):
 - fsdp       FSDP FULL_SHARD, as upstream: parameters, gradients and moments sharded over N, all in
              the FSDP parameter dtype (fp32 master weights, or bf16 as upstream's Qwen-Image);
 - lora       the same, but only the adapter (T << P) has gradients and optimizer state;
-- zero2      DeepSpeed ZeRO-2, bf16: parameters replicated (2 bytes), gradients sharded (2 bytes),
-             optimizer sharded: fp32 master copy + two fp32 moments (12 bytes per trainable);
-- zero3      DeepSpeed ZeRO-3, bf16: everything sharded, optimizer as ZeRO-2;
-- zero0/1    DeepSpeed without sharding / with the optimizer sharded only.
+- zero2      DeepSpeed ZeRO-2: parameters replicated, gradients sharded (both in the engine's dtype:
+             2 bytes in bf16, 4 in fp32, as a CPU run is), optimizer sharded: an fp32 master copy of
+             the partition (ZeRO keeps one in fp32 too) + two fp32 moments (12 bytes per trainable);
+- zero3      DeepSpeed ZeRO-3: everything sharded, optimizer as ZeRO-2;
+- zero0/1    DeepSpeed without sharding / with the optimizer sharded only (ZeRO-0 in fp32 steps the
+             parameters themselves: two moments, 8 bytes per trainable).
 With LoRA under DeepSpeed, T is the adapter.
 
     python -m dancegrpo.utils.state_bytes       # the table in docs/lora_deepspeed_memory.md: Flux (12B) and Qwen-Image (20B) on 8 GPUs
@@ -19,22 +21,23 @@ import argparse
 
 GIB = 2 ** 30
 SETUPS = ("fsdp", "lora", "zero0", "zero1", "zero2", "zero3")
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def per_rank_bytes(setup, num_params, num_trainable, world_size, weight_type="fp32"):
     """{"params", "grads", "optimizer", "total"} bytes held by one rank."""
     n = max(1, world_size)
+    b = DTYPE_BYTES[weight_type]
+    adam = 8 if (setup == "zero0" and weight_type == "fp32") else 12   # + the fp32 master copy, bar ZeRO-0 fp32
     if setup in ("fsdp", "lora"):
-        b = DTYPE_BYTES[weight_type]
         out = dict(params=num_params * b / n, grads=num_trainable * b / n, optimizer=2 * num_trainable * b / n)
     elif setup in ("zero0", "zero1"):   # data parallel; ZeRO-1 shards the optimizer only
-        out = dict(params=num_params * 2, grads=num_trainable * 2,
-                   optimizer=12 * num_trainable / (n if setup == "zero1" else 1))
+        out = dict(params=num_params * b, grads=num_trainable * b,
+                   optimizer=adam * num_trainable / (n if setup == "zero1" else 1))
     elif setup == "zero2":
-        out = dict(params=num_params * 2, grads=num_trainable * 2 / n, optimizer=12 * num_trainable / n)
+        out = dict(params=num_params * b, grads=num_trainable * b / n, optimizer=adam * num_trainable / n)
     elif setup == "zero3":
-        out = dict(params=num_params * 2 / n, grads=num_trainable * 2 / n, optimizer=12 * num_trainable / n)
+        out = dict(params=num_params * b / n, grads=num_trainable * b / n, optimizer=adam * num_trainable / n)
     else:
         raise ValueError(f"unknown setup {setup!r}; one of {SETUPS}")
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
@@ -84,7 +87,8 @@ def table(world_size=8):
         total, adapter = count_real_model(cls_name, config)
         for setup in ("fsdp", "lora", "zero2", "zero3"):
             trainable = adapter if setup == "lora" else total
-            b = per_rank_bytes(setup, total + (adapter if setup == "lora" else 0), trainable, world_size, weight_type)
+            dtype = "bf16" if setup.startswith("zero") else weight_type   # DeepSpeed on GPU: bf16, as labelled
+            b = per_rank_bytes(setup, total + (adapter if setup == "lora" else 0), trainable, world_size, dtype)
             label = {"fsdp": f"FSDP full fine-tune ({weight_type})", "lora": f"FSDP + LoRA r128 ({weight_type} base, "
                      f"{adapter / 1e6:.0f}M trainable)", "zero2": "DeepSpeed ZeRO-2 (bf16)",
                      "zero3": "DeepSpeed ZeRO-3 (bf16)"}[setup]

@@ -73,7 +73,10 @@ def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(runs):
     plain = weights(folder / "plain" / "checkpoint-2-0")
     for stage, tol in STAGES:
         _, stdout, _ = results[f"z{stage}_resumed"]
-        assert f"(DeepSpeed ZeRO-{stage})" in stdout and "training state:" in stdout
+        assert f"(DeepSpeed ZeRO-{stage})" in stdout
+        # CPU runs are fp32 (the config's bf16 is turned off): 81664 parameters x 4 B = 0.312 MiB held and
+        # as gradients on one rank, 12 B each of optimizer (fp32 master copy + two moments) = 0.935 MiB.
+        assert "training state: params 0.312 MiB + grads 0.312 MiB + optimizer 0.935 MiB" in stdout
         assert max_diff(weights(folder / f"z{stage}" / "checkpoint-2-0"), plain) <= tol
         assert os.path.isdir(folder / f"z{stage}" / "checkpoint-2-0" / "deepspeed")
         part, full = folder / f"z{stage}_part" / "checkpoint-3-0", folder / f"z{stage}" / "checkpoint-3-0"

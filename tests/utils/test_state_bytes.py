@@ -12,6 +12,9 @@ from dancegrpo.utils.state_bytes import per_rank_bytes
     ("lora", 4, "fp32", dict(params=1000, grads=10, optimizer=20)),            # T = 10 adapter parameters
     ("zero2", 4, "bf16", dict(params=2000, grads=500, optimizer=3000)),       # 12 bytes / trainable / 4 ranks
     ("zero3", 4, "bf16", dict(params=500, grads=500, optimizer=3000)),
+    ("zero2", 4, "fp32", dict(params=4000, grads=1000, optimizer=3000)),      # fp32 (CPU): 4 B params and grads
+    ("zero0", 1, "fp32", dict(params=4000, grads=4000, optimizer=8000)),      # no master copy: two moments
+    ("zero0", 1, "bf16", dict(params=2000, grads=2000, optimizer=12000)),
 ])
 def test_per_rank_bytes_by_hand(setup, world, weight_type, expected):
     trainable = 10 if setup == "lora" else 1000
