@@ -51,6 +51,9 @@ JAGG_LAUNCHER="${JAGG_LAUNCHER:-jagg_patch}"
 # node with its NODE_RANK (0..NNODES-1) and the MASTER_ADDR / MASTER_PORT of node 0; NPROC is
 # per node. TORCHRUN_ARGS, when set, replaces all of this.
 NNODES="${NNODES:-1}"
+# torchrun through dancegrpo.launch: a SIGTERM / SIGINT to it stops the workers (each saves a
+# checkpoint) and exits 128+signal, not 1 with a traceback. TORCHRUN replaces the command.
+read -r -a LAUNCHER <<< "${TORCHRUN:-python3 -m dancegrpo.launch}"
 if [[ -n "${TORCHRUN_ARGS:-}" ]]; then
   read -r -a TORCHRUN_EXTRA <<< "${TORCHRUN_ARGS}"
 elif [[ "$NNODES" == "1" ]]; then
@@ -132,4 +135,4 @@ else
 fi
 
 set -x
-exec torchrun "${TORCHRUN_EXTRA[@]}" --nproc_per_node="$NPROC" "${LAUNCH[@]}" "${ARGS[@]}" "$@"
+exec "${LAUNCHER[@]}" "${TORCHRUN_EXTRA[@]}" --nproc_per_node="$NPROC" "${LAUNCH[@]}" "${ARGS[@]}" "$@"

@@ -32,8 +32,9 @@ def script(request):
 
 def run_sh(script, env, *extra, stub=None, timeout=300):
     full = {**os.environ, **env}
-    if stub:  # a fake `torchrun` that records its arguments
+    if stub:  # a fake `torchrun` that records its arguments, in place of the scripts' launcher
         full["PATH"] = f"{stub}:{full['PATH']}"
+        full["TORCHRUN"] = "torchrun"
     return subprocess.run(["bash", os.path.join(ROOT, script[0]), *extra], cwd=ROOT, env=full,
                           capture_output=True, text=True, timeout=timeout)
 

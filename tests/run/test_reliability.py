@@ -332,6 +332,24 @@ def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
     assert metrics(out)[0]["world_size"] == 2 and metrics(out)[0]["samples"] == 128
 
 
+def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_dir, tmp_path):
+    """train_flux.sh's launcher (dancegrpo.launch, torchrun inside) passes SIGTERM on: both ranks
+    finish their step and save, and the launcher ends with one line and 143, not a traceback and 1."""
+    out = tmp_path / "o"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRESET": "tiny", "NPROC": "2", "CACHE_DIR": str(cache_dir),
+           "OUTPUT_DIR": str(out)}
+    launcher = subprocess.Popen(["bash", os.path.join(REPO, "train_flux.sh"), "--max_train_steps", "500"], cwd=REPO,
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_steps(out, 2, launcher, limit=240)
+    launcher.send_signal(signal.SIGTERM)   # bash exec'd the launcher: this is its pid
+    _, err = launcher.communicate(timeout=180)
+    assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
+    last = metrics(out)[-1]["step"]
+    assert "launcher: SIGTERM: the workers were stopped" in err and "Traceback" not in err, err[-3000:]
+    assert f"SIGTERM after step {last}: saved" in err
+    assert ckpt.checkpoint_problem(str(out / f"checkpoint-{last}-0")) is None
+
+
 def _alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
