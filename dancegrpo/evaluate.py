@@ -27,6 +27,7 @@ metric), <label>/summary.json, <label>/grid.png (rows = prompts, columns = image
 table.md / comparison.json over all checkpoints; the markdown table is also printed.
 """
 import argparse
+import contextlib
 import csv
 import importlib
 import json
@@ -41,6 +42,7 @@ import torch
 from . import presets
 from .adapters.origin import AdapterMismatch, check_adapter, origin_problem, read_origin
 from .errors import NonFiniteError
+from .run.readers import ReaderLock, run_folder_of
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
 from .models.base import compute_autocast
 from .utils.samples import tile
@@ -432,10 +434,26 @@ def run(args):
     return summaries
 
 
+def hold_run_folders(checkpoints, stack):
+    """A reader's lock on each run folder the checkpoints lie in (dancegrpo.run.readers), held until
+    the evaluation ends: a run starting there with --overwrite_output_dir, or pruning with
+    --checkpoints_total_limit, leaves them in place meanwhile."""
+    for folder in sorted({run_folder_of(path) for _, path in checkpoints} - {None}):
+        if not os.path.isdir(folder):
+            continue   # run() names the missing checkpoint
+        try:
+            stack.enter_context(ReaderLock(folder, "dancegrpo.evaluate"))
+        except OSError as e:   # a read-only copy of a run: nobody can delete there either
+            print(f"notice: cannot mark {folder!r} as being read ({e.strerror}); a run started there could delete "
+                  "its checkpoints during the evaluation", file=sys.stderr, flush=True)
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
-        return run(args)
+        with contextlib.ExitStack() as stack:
+            hold_run_folders(args.checkpoints, stack)
+            return run(args)
     except (EvalError, FileNotFoundError, ValueError, ImportError, RewardNotFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -6,6 +6,7 @@ import torch
 
 from .algo.rollout import predict_velocity
 from .run.finite import require_finite
+from .run.readers import exclusive
 from .run.run_config import snapshot
 from .utils import checkpoint as ckpt, samples
 from .utils.data import collate_prompts
@@ -23,16 +24,26 @@ def save(ctx, step):
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
             ema_state = ctx.engine.full_state(weights_format.trainable_only)
-    if ctx.rank == 0:   # retention before the write: the disk never needs room for the limit + 1
-        ckpt.make_room(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
-                       ckpt.checkpoint_dir(ctx.args.output_dir, step), protect=(ctx.extra.get("resumed_from"),))
-    path = ckpt.save_checkpoint(ctx.args.output_dir, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
+    out, limit, resumed = ctx.args.output_dir, ctx.args.checkpoints_total_limit, ctx.extra.get("resumed_from")
+    if ctx.rank == 0 and limit:   # retention before the write: the disk never needs room for the limit + 1
+        _retain(out, lambda: ckpt.make_room(out, limit, ckpt.checkpoint_dir(out, step), protect=(resumed,)))
+    path = ckpt.save_checkpoint(out, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
                                 ema_state=ema_state, extra_state={"seed": ctx.seed},
                                 run_config=snapshot(ctx.args, ctx.seed, ctx.world_size), weights_format=weights_format)
-    if ctx.rank == 0:
-        ckpt.prune_checkpoints(ctx.args.output_dir, ctx.args.checkpoints_total_limit,
-                               protect=(path, ctx.extra.get("resumed_from")))
+    if ctx.rank == 0 and limit:
+        _retain(out, lambda: ckpt.prune_checkpoints(out, limit, protect=(path, resumed)))
     return path
+
+
+def _retain(output_dir, prune):
+    """Run `prune` unless a reader (dancegrpo.evaluate) holds the folder: then the old checkpoints stay
+    until a later save finds it free."""
+    with exclusive(output_dir) as readers:
+        if readers:
+            print(f"notice: --checkpoints_total_limit: old checkpoints in {output_dir!r} kept for now, "
+                  f"{'; '.join(readers)} reads them", flush=True)
+            return
+        prune()
 
 
 def write_samples(ctx, step):

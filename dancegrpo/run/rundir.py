@@ -6,7 +6,8 @@
 - refuses a folder that already holds a run's files unless the run resumes or the user chose
   `--overwrite_output_dir` (two runs appending to one metrics.jsonl and overwriting each
   other's checkpoints is silent data loss);
-- proves the folder writable, and removes half-written checkpoint folders of a dead run.
+- proves the folder writable, and removes half-written checkpoint folders of a dead run;
+- never deletes checkpoints a reader (dancegrpo.evaluate) holds: see dancegrpo.run.readers.
 """
 import datetime
 import fcntl
@@ -17,6 +18,7 @@ import shutil
 import socket
 
 from ..errors import ConfigError
+from .readers import exclusive
 
 LOCK_NAME = ".run.lock"
 RUN_FILES = ("metrics.jsonl", "reward.txt", "reward_curve.png", "samples")
@@ -113,8 +115,13 @@ def claim_output_dir(output_dir, run_id, resuming, overwrite, log=print):
                     f"--output_dir {output_dir!r} already holds a run ({', '.join(map(os.path.basename, previous[:4]))}"
                     f"{' ...' if len(previous) > 4 else ''}). Continue it with --resume_from_checkpoint latest, "
                     "replace it with --overwrite_output_dir, or choose another --output_dir.")
-            for path in previous:
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            with exclusive(output_dir) as readers:
+                if readers:
+                    raise ConfigError(f"--overwrite_output_dir would delete the checkpoints in {output_dir!r} while "
+                                      f"{'; '.join(readers)} reads them. Wait for it to finish or stop it, or choose "
+                                      "another --output_dir.")
+                for path in previous:
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
             log(f"notice: --overwrite_output_dir removed the previous run's {len(previous)} files and checkpoints "
                 f"from {output_dir!r}")
     except BaseException:

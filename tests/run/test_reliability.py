@@ -104,6 +104,44 @@ def test_resume_says_that_it_ignores_overwrite(make_args, tmp_path, capsys):
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
+def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache_dir, monkeypatch, capsys):
+    """dancegrpo.evaluate holds a reader's lock on the run folder: a run started there with
+    --overwrite_output_dir meanwhile is refused naming the reader (it deleted the checkpoints
+    mid-evaluation), and --checkpoints_total_limit puts its pruning off; both work once it ends."""
+    from dancegrpo import evaluate
+    from dancegrpo.run.readers import ReaderLock
+    out = tmp_path / "out"
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--checkpointing_steps", 1, "--output_dir", out))
+    refusals = []
+    real_evaluate = evaluate.evaluate_checkpoint
+
+    def evaluate_while_a_run_starts(*args, **kwargs):
+        with pytest.raises(ConfigError) as refused:
+            train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out,
+                                           "--overwrite_output_dir"))
+        refusals.append(str(refused.value))
+        return real_evaluate(*args, **kwargs)
+    monkeypatch.setattr(evaluate, "evaluate_checkpoint", evaluate_while_a_run_starts)
+    rows = evaluate.main(["--preset", "tiny", "--cache_dir", cache_dir, "--metrics", "jpeg", "--max_prompts", "1",
+                          "--num_images_per_prompt", "1", "--output_dir", str(tmp_path / "eval"),
+                          "--checkpoint", f"a={out / 'checkpoint-1-0'}", "--checkpoint", f"b={out / 'checkpoint-2-0'}"])
+    assert len(rows) == 2 and len(refusals) == 2
+    assert all(f"dancegrpo.evaluate (pid {os.getpid()}" in r and "Wait for it to finish" in r for r in refusals)
+    assert [r["step"] for r in metrics(out)] == [1, 2]   # the run's files are untouched
+    # Pruning waits for a reader too, and happens at the first save that finds the folder free.
+    capsys.readouterr()
+    with ReaderLock(str(out), "a test reader"):
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 3, "--output_dir", out, "--resume_from_checkpoint",
+                                       "latest", "--checkpoints_total_limit", 1, "--allow_config_change"))
+    assert "old checkpoints in" in capsys.readouterr().out
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == [f"checkpoint-{n}-0" for n in (1, 2, 3)]
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--output_dir", out, "--resume_from_checkpoint",
+                                   "latest", "--checkpoints_total_limit", 1, "--allow_config_change"))
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-4-0"]
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out, "--overwrite_output_dir"))
+    assert [r["step"] for r in metrics(out)] == [1]
+
+
 def test_the_lock_is_released_when_a_run_fails(make_args, tmp_path, monkeypatch):
     from dancegrpo.engines import fsdp
     monkeypatch.setattr(fsdp, "clip_grad_norm", lambda model, max_norm: float("nan"))
