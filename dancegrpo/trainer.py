@@ -159,6 +159,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         "world_size": ctx.world_size,
         # The largest rank's peak of tensors saved for backward during the update.
         "activation_peak_mb": all_reduce_max(ctx.activation_meter.peak_mb, ctx.device),
+        **stats.metrics,   # what a patched update measured beside the step (jagg_patch's monitor)
     }
     cuda_mb = cuda_peak_mb(ctx.device)
     if cuda_mb is not None:

@@ -2,6 +2,7 @@
 entry point: loading the trainer, the JAGG flags, and the start-up plan."""
 import argparse
 import importlib
+import os
 import sys
 
 from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
@@ -57,7 +58,16 @@ def _checked(cast, ok, what):
 
 _window = _checked(int, lambda v: v >= 2, ">= 2 (a JAGG group needs two endpoints; for the exact per-step "
                                           "backward use --jagg_frac 0 or --jagg_mode exact)")
-_fraction = _checked(float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+_number = _checked(float, lambda v: 0.0 <= v <= 1.0, "in [0, 1] or 'auto'")
+
+
+def _fraction(text):
+    return text if text == "auto" else _number(text)
+
+
+_cosine = _checked(float, lambda v: -1.0 <= v <= 1.0, "a cosine in [-1, 1]")
+_count = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_positive = _checked(int, lambda v: v >= 1, "an integer >= 1")
 
 
 def add_jagg_args(parser):
@@ -66,7 +76,14 @@ def add_jagg_args(parser):
                    help="W: transitions per group (>= 2; 2 is the exact gradient).")
     g.add_argument("--jagg_frac", type=_fraction, default=0.6,
                    help="Fraction of the groups, highest noise first, routed to JAGG; the rest get the exact "
-                        "per-step backward (rounded half up). The authors' code: 1.")
+                        "per-step backward (rounded half up). The authors' code: 1. auto: the group positions "
+                        "whose monitored cosine to the exact gradient (smoothed, with hysteresis) reaches "
+                        "--jagg_min_cos; every position is exact until the first measurement (step 1); needs the "
+                        "monitor (--jagg_monitor_every, 10 if not given). The routing is logged each step as "
+                        "jagg_routed (bit p: position p runs JAGG) and printed when it changes.")
+    g.add_argument("--jagg_min_cos", type=_cosine, default=0.8,
+                   help="With --jagg_frac auto: the smoothed cosine a position needs to run JAGG (it leaves JAGG "
+                        "below this minus 0.05).")
     g.add_argument("--jagg_mode", choices=MODES, default="jagg",
                    help="jagg: interpolated Jacobians (the method); endpoints: the paper's ablation "
                         "(backward at the two endpoints only, each weighted W/2); exact: per-step backward "
@@ -91,17 +108,41 @@ def add_jagg_args(parser):
                         "the same output (exact; all samples when GA covers the rollout); always: also after "
                         "(stale outputs, an approximation); off: forward every middle member. Keeps S model "
                         "outputs per sample (the size of the stored latents).")
+    g.add_argument("--jagg_monitor_every", type=_count, default=0,
+                   help="N > 0: at step 1 and every N steps, measure on the step's own samples the exact gradient "
+                        "of every group position next to JAGG's and the endpoints ablation's, and log cos and "
+                        "relative error per position (jagg_cos/g0, ...; jagg_patch.monitor). The training is "
+                        "unchanged; the extra passes are counted apart (monitor_forwards / monitor_backwards). "
+                        "0: off.")
+    g.add_argument("--jagg_monitor_samples", type=_positive, default=2,
+                   help="Samples of the step's first micro-batch the monitor measures on (per rank).")
     return parser
 
 
 def jagg_kwargs(args):
     """apply_jagg / make_policy_update keywords from the parsed JAGG flags."""
     return dict(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
-                backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout)
+                backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout,
+                monitor_every=args.jagg_monitor_every, monitor_samples=args.jagg_monitor_samples,
+                min_cos=args.jagg_min_cos)
+
+
+AUTO_MONITOR_EVERY = 10
 
 
 def check_trajectory(args):
     """The checks that need the trainer's geometry, before any model is loaded."""
+    if args.jagg_frac == "auto" and not args.jagg_monitor_every:
+        args.jagg_monitor_every = AUTO_MONITOR_EVERY
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with --jagg_monitor_every "
+                  f"{AUTO_MONITOR_EVERY} (give another N to change it)", flush=True)
+    if args.jagg_monitor_every and getattr(args, "engine", None) == "deepspeed":
+        fail("--jagg_monitor_every reads the gradients from the parameters' .grad, which DeepSpeed keeps in its "
+             "own buffers: monitor under the default engine (one process or FSDP)")
+    if args.jagg_monitor_every and args.jagg_grouping == "window" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        fail("--jagg_monitor_every with --jagg_grouping window on several ranks: the ranks' samples train "
+             "different windows, so their measuring passes would not line up; use --jagg_grouping trained")
     if getattr(args, "sde_window_size", 0) and args.jagg_grouping == "window":
         fail("--sde_window_size trains one SDE window per sample, which is already the group: use the default "
              "--jagg_grouping trained (the window's K transitions form one group when --jagg_window >= K)")
@@ -123,30 +164,42 @@ def jagg_plan_text(args):
             f"mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
             f"S={args.sampling_steps} -> {num_transitions} trainable transitions; ")
     if args.jagg_grouping == "trained":
-        groups = plan_groups(range(n_vanilla), args.jagg_window, args.jagg_frac)
+        groups = plan_groups(range(n_vanilla), args.jagg_window, _plan_fraction(args))
         backwards = sum(group_cost(g, args.jagg_mode)[2] for g in groups)
         middles = sum(group_cost(g, args.jagg_mode)[1] for g in groups)
         trained = (f"the {window} transitions of each sample's SDE window (Flow-GRPO-Fast)" if window else
                    f"{n_vanilla} trained per sample (timestep_fraction {args.timestep_fraction}), a random subset "
                    "per sample sorted into denoising order")
         return "\n".join([head + f"{trained}; positions 0..{n_vanilla - 1} of that order:",
-                          *describe_plan(groups, args.jagg_mode, backward),
+                          *describe_plan(groups, args.jagg_mode, backward), *auto_text(args),
                           f"  per sample: {backwards} transformer backwards instead of {n_vanilla}",
                           reuse_plan_text(args, middles)])
-    windows = plan_windows(num_transitions, args.jagg_window, args.jagg_frac)
+    windows = plan_windows(num_transitions, args.jagg_window, _plan_fraction(args))
     n_train = num_trained_windows(len(windows), args.timestep_fraction)
     costs = sorted(group_cost(g, args.jagg_mode)[2] for g in windows)
     expected = n_train * sum(costs) / len(windows)
     return "\n".join([head + f"{len(windows)} contiguous windows, {n_train} of them drawn at random per sample and "
                       f"trained whole (timestep_fraction {args.timestep_fraction}); loss / (GA x {n_train} x "
                       f"{args.jagg_window}):",
-                      *describe_plan(windows, args.jagg_mode, backward, "window", "transitions"),
+                      *describe_plan(windows, args.jagg_mode, backward, "window", "transitions"), *auto_text(args),
                       f"  per sample: {expected:g} transformer backwards expected (min {sum(costs[:n_train])}, "
                       f"max {sum(costs[-n_train:])}) instead of "
                       f"{n_train * num_transitions / len(windows):g} with the exact backward of the same windows "
                       f"(vanilla trains {n_vanilla} transitions)",
                       reuse_plan_text(args, n_train * sum(group_cost(g, args.jagg_mode)[1] for g in windows)
                                       / len(windows))])
+
+
+def _plan_fraction(args):
+    """The fraction the plan is shown for: with auto, the most it can route (every group)."""
+    return 1.0 if args.jagg_frac == "auto" else args.jagg_frac
+
+
+def auto_text(args):
+    if args.jagg_frac != "auto":
+        return []
+    return [f"  routing auto: the groups above run JAGG only once their monitored cosine reaches "
+            f"{args.jagg_min_cos} (measured at step 1 and every {args.jagg_monitor_every} steps); all exact until then"]
 
 
 def rollout_output_bytes(args):

@@ -204,8 +204,10 @@ def validate_jagg_config(window, jagg_frac, mode="jagg", alpha="timestep", backw
     if isinstance(window, bool) or not isinstance(window, int) or window < 2:
         raise ValueError(f"JAGG window must be an integer >= 2 (a group needs two endpoints), got {window!r}; "
                          "for the exact per-step backward use jagg_frac 0 or mode 'exact'")
-    if isinstance(jagg_frac, bool) or not isinstance(jagg_frac, (int, float)) or not 0.0 <= jagg_frac <= 1.0:
-        raise ValueError(f"jagg_frac must be a number in [0, 1], got {jagg_frac!r}")
+    if jagg_frac == "auto":   # routed by the monitor's cosines (jagg_patch.routing)
+        pass
+    elif isinstance(jagg_frac, bool) or not isinstance(jagg_frac, (int, float)) or not 0.0 <= jagg_frac <= 1.0:
+        raise ValueError(f"jagg_frac must be a number in [0, 1] or 'auto', got {jagg_frac!r}")
     for kind, value, choices in (("mode", mode, MODES), ("alpha rule", alpha, ALPHA_RULES),
                                  ("backward", backward, BACKWARD_CHOICES), ("grouping", grouping, GROUPINGS),
                                  ("rollout reuse", reuse, REUSE_MODES)):

@@ -5,6 +5,7 @@ Each trainer's `train_one_step` reads its module-globals `policy_update` and
 JAGG and back. The trained grouping replaces only `policy_update`; the window
 grouping (the authors' code) also replaces the choice of trained transitions.
 """
+import dataclasses
 import importlib
 
 import torch
@@ -12,6 +13,8 @@ import torch
 from dancegrpo.algo.grpo import TrainSelection, UpdateStats
 
 from .core import jagg_group_backward, resolve_backward, validate_jagg_config
+from .monitor import Monitor
+from .routing import AUTO, AutoRouting
 
 from .plan import num_trained_windows, plan_groups, plan_windows
 from .seams import check_seams
@@ -26,7 +29,7 @@ def _trained_groups(batch, window, jagg_frac):
     # Vanilla trains the transitions in random order; JAGG needs denoising order.
     ks = batch.steps.sort(dim=1).values
     for group in plan_groups(range(ks.shape[1]), window, jagg_frac):
-        yield batch, ks[:, list(group.members)], group.jagg
+        yield batch, ks[:, list(group.members)], group
 
 
 def _window_groups(batch, window, jagg_frac):
@@ -37,7 +40,7 @@ def _window_groups(batch, window, jagg_frac):
         if rows.numel():
             sub = batch if rows.numel() == batch.steps.shape[0] else batch.subset(rows)
             cols = torch.tensor(group.members, device=batch.steps.device).expand(rows.numel(), -1)
-            yield sub, cols, group.jagg
+            yield sub, cols, group
 
 
 def _reuse_of(sub, cols, reuse):
@@ -49,16 +52,42 @@ def _reuse_of(sub, cols, reuse):
 
 
 def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
-                       grouping="trained", reuse="on_policy"):
+                       grouping="trained", reuse="on_policy", monitor_every=0, monitor_samples=2, min_cos=0.8):
     """The JAGG replacement for dancegrpo.algo.grpo.policy_update, configured. reuse (REUSE_MODES):
-    whether the middle members take the rollout's outputs instead of a no-grad forward."""
+    whether the middle members take the rollout's outputs instead of a no-grad forward.
+    monitor_every N > 0: the live fidelity monitor (jagg_patch.monitor) at step 1 and every N steps,
+    on `monitor_samples` samples; its Monitor is the update's `monitor` attribute.
+    jagg_frac "auto": the positions whose monitored cosine reaches `min_cos` go to JAGG
+    (jagg_patch.routing; the update's `routing` attribute); it needs the monitor."""
     validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
+    if jagg_frac == AUTO and not monitor_every:
+        raise ValueError("jagg_frac 'auto' routes by the monitor's cosines: give monitor_every N > 0 "
+                         "(--jagg_monitor_every)")
     groups_of = _window_groups if grouping == "window" else _trained_groups
+    monitor = Monitor(monitor_every, monitor_samples, alpha, resolve_backward(backward)) if monitor_every else None
+    routing = AutoRouting(min_cos) if jagg_frac == AUTO else None
+
+    def every_group(one):
+        for sub, cols, group in groups_of(one, window, 1.0):
+            yield group.index, sub, cols
+
+    def routed_groups(batch):
+        if routing is None:
+            yield from groups_of(batch, window, jagg_frac)
+            return
+        for sub, cols, group in groups_of(batch, window, 1.0):
+            yield sub, cols, dataclasses.replace(group, jagg=group.jagg and routing.routes(group.index))
 
     def policy_update(batch):
         stats = UpdateStats()
-        for sub, cols, jagg in groups_of(batch, window, jagg_frac):   # cols: [m, w] transitions
-            group_mode = mode if jagg else "exact"
+        if monitor is not None and monitor.due(batch):   # before the update: its gradient stays the run's own
+            stats.metrics.update(monitor.measure(batch, every_group))
+            if routing is not None and routing.update(stats.metrics) and _is_rank0():
+                print(f"step {batch.step}: {routing.describe()}", flush=True)
+        if routing is not None:
+            stats.metrics["jagg_routed"] = sum(1 << p for p in routing.routed)   # bit p: position p runs JAGG
+        for sub, cols, group in routed_groups(batch):   # cols: [m, w] transitions
+            group_mode = mode if group.jagg else "exact"
             result = jagg_group_backward(lambda j: sub.predict(cols[:, j]),
                                          lambda j, v: sub.step_loss(cols[:, j], v),
                                          sub.timesteps.to(cols.device)[cols].T, group_mode, alpha,
@@ -75,9 +104,16 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
         return stats
 
     policy_update.jagg_config = dict(window=window, jagg_frac=jagg_frac, mode=mode, alpha=alpha,
-                                     backward=backward, grouping=grouping, reuse=reuse)
-    policy_update.uses_rollout_outputs = reuse != "off" and mode != "exact" and jagg_frac > 0
+                                     backward=backward, grouping=grouping, reuse=reuse, monitor_every=monitor_every,
+                                     monitor_samples=monitor_samples, min_cos=min_cos)
+    policy_update.monitor, policy_update.routing = monitor, routing
+    policy_update.uses_rollout_outputs = reuse != "off" and mode != "exact" and (jagg_frac == AUTO or jagg_frac > 0)
     return policy_update
+
+
+def _is_rank0():
+    import torch.distributed as dist
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def make_window_selection(window):
@@ -113,14 +149,15 @@ def _trainer_modules(trainer_module):
 
 
 def apply_jagg(trainer_module=None, *, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint",
-               grouping="trained", reuse="on_policy"):
+               grouping="trained", reuse="on_policy", monitor_every=0, monitor_samples=2, min_cos=0.8):
     """Patch the update seams of one trainer module (object or name) or, by default, of every
     trainer in dancegrpo.TRAINERS. Applying again only changes the configuration.
 
     The defaults are the paper's grouping, alpha and joint backward, plus on-policy rollout reuse
     (exact: the same gradient). The command line's --jagg_backward defaults to auto instead (the
     cheapest form for the run's world size: see jagg_patch.core.resolve_backward)."""
-    replacements = {"policy_update": make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse)}
+    replacements = {"policy_update": make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse,
+                                                        monitor_every, monitor_samples, min_cos)}
     if grouping == "window":
         replacements["select_train_steps"] = make_window_selection(window)
     modules = _trainer_modules(trainer_module)

@@ -23,8 +23,8 @@ SEAMS = (
 )
 # Fields of the seam's argument / result that the JAGG update reads or fills.
 UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "backward", "rollout_output",
-                       "on_policy", "predict_batched")
-UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", "forwards_reused")
+                       "on_policy", "predict_batched", "step", "parameters", "counted_apart")
+UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", "forwards_reused", "metrics")
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
 # Everything else of dancegrpo that jagg_patch, its launchers and its tools use (tests check that
 # nothing outside this list is imported): (module, name, its parameter names, or None for a class or

@@ -7,7 +7,7 @@ patch replaces (see `jagg_patch.seams`). They receive closures and sizes, not a
 model, so they are the same for Flux and Qwen-Image and know nothing about FSDP,
 prompts or rewards.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -89,6 +89,11 @@ class UpdateBatch:
         produced rollout_output (predict(k) without grad would recompute it).
     predict_batched(ks) -> [v for k in ks]: predict for several transition vectors in ONE
         transformer call (the samples stacked len(ks) times); the same outputs as separate calls.
+    step: the training step this micro-batch belongs to (1, 2, ...).
+    parameters() -> the trainable parameters whose .grad the backward accumulates into (this rank's
+        shards under FSDP), for an update that measures gradients beside the step's own.
+    counted_apart() -> a context manager: the transformer passes inside it are counted as a
+        measurement's (monitor_forwards / monitor_backwards), not as the update's.
     """
     predict: Callable
     step_loss: Callable
@@ -99,6 +104,9 @@ class UpdateBatch:
     rollout_output: Callable = None
     on_policy: bool = False
     predict_batched: Callable = None
+    step: int = 0
+    parameters: Callable = None
+    counted_apart: Callable = None
 
 
 @dataclass
@@ -108,6 +116,7 @@ class UpdateStats:
     jagg_groups: int = 0
     exact_groups: int = 0
     forwards_reused: int = 0   # per sample: model outputs taken from the rollout instead of a forward
+    metrics: dict = field(default_factory=dict)   # more values for the step's record (the same on every rank)
 
     def __iadd__(self, other):
         self.loss += other.loss
@@ -115,6 +124,7 @@ class UpdateStats:
         self.jagg_groups += other.jagg_groups
         self.exact_groups += other.exact_groups
         self.forwards_reused += other.forwards_reused
+        self.metrics.update(other.metrics)
         return self
 
 

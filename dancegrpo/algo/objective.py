@@ -1,6 +1,8 @@
 """The GRPO objective of a rollout's transitions, handed to the policy-update seam as an
 UpdateBatch (algo.grpo): the per-transition log-prob under the --sde_type kernel, the PPO clip
 loss, Flow-GRPO's KL term, and upstream's `grpo_one_step`."""
+import contextlib
+
 import torch
 
 from .grpo import UpdateBatch, UpdateStats, ppo_clip_loss
@@ -69,7 +71,9 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=ctx.timesteps, subset=subset,
                        backward=ctx.engine.backward,
                        rollout_output=rollout_output if rollout.outputs is not None else None, on_policy=on_policy,
-                       predict_batched=predict_batched)
+                       predict_batched=predict_batched, step=ctx.step,
+                       parameters=lambda: [p for p in ctx.transformer.parameters() if p.requires_grad],
+                       counted_apart=ctx.counter.apart if ctx.counter is not None else contextlib.nullcontext)
 
 
 def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, policy_update,

@@ -1,4 +1,5 @@
 """Counting transformer passes by hooks, and the per-step metrics files."""
+import contextlib
 import json
 import os
 
@@ -23,13 +24,18 @@ class PassCounter:
     """
 
     def __init__(self, module):
-        self.forwards_grad = self.forwards_nograd = self.backwards = 0
+        self.reset()
+        self._apart = False
         self._handle = module.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module, inputs, output):
         out = first_tensor(output)
         n = out.shape[0] if out is not None and out.ndim > 0 else 1
-        if torch.is_grad_enabled() and out is not None and out.requires_grad:
+        if self._apart:
+            self.monitor_forwards += n
+            if torch.is_grad_enabled() and out is not None and out.requires_grad:
+                out.register_hook(lambda grad, n=n: self._on_monitor_backward(n))
+        elif torch.is_grad_enabled() and out is not None and out.requires_grad:
             self.forwards_grad += n
             out.register_hook(lambda grad, n=n: self._on_backward(n))
         else:
@@ -38,13 +44,30 @@ class PassCounter:
     def _on_backward(self, n):
         self.backwards += n
 
+    def _on_monitor_backward(self, n):
+        self.monitor_backwards += n
+
+    @contextlib.contextmanager
+    def apart(self):
+        """The passes inside are a measurement's (e.g. jagg_patch's monitor), counted apart from the
+        update's, so the update's counts are those of the same run without it."""
+        self._apart = True
+        try:
+            yield
+        finally:
+            self._apart = False
+
     def reset(self):
         self.forwards_grad = self.forwards_nograd = self.backwards = 0
+        self.monitor_forwards = self.monitor_backwards = 0
 
     def as_dict(self):
-        return {"transformer_forwards_grad": self.forwards_grad,
-                "transformer_forwards_nograd": self.forwards_nograd,
-                "transformer_backwards": self.backwards}
+        counts = {"transformer_forwards_grad": self.forwards_grad,
+                  "transformer_forwards_nograd": self.forwards_nograd,
+                  "transformer_backwards": self.backwards}
+        if self.monitor_forwards:   # only runs that measure: other records keep their fields
+            counts.update(monitor_forwards=self.monitor_forwards, monitor_backwards=self.monitor_backwards)
+        return counts
 
     def remove(self):
         self._handle.remove()

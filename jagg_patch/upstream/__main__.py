@@ -88,12 +88,20 @@ def preflight(upstream_args, jagg, family):
         print(plan, flush=True)
 
 
+def upstream_kwargs(jagg):
+    """jagg_kwargs without the monitor's, which the upstream adapter does not offer."""
+    return {k: v for k, v in jagg_kwargs(jagg).items() if k not in ("monitor_every", "monitor_samples", "min_cos")}
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if argv else 2)
     jagg, script, upstream_argv = split_argv(argv)
+    if jagg.jagg_monitor_every or jagg.jagg_frac == "auto":
+        fail("--jagg_monitor_every and --jagg_frac auto measure gradients through this project's trainer "
+             "(python -m jagg_patch dancegrpo.train_grpo_...); on an upstream checkout give a fixed --jagg_frac")
     try:
         validate_jagg_config(jagg.jagg_window, jagg.jagg_frac, jagg.jagg_mode, jagg.jagg_alpha, jagg.jagg_backward,
                              jagg.jagg_grouping, jagg.jagg_reuse_rollout)
@@ -101,7 +109,7 @@ def main(argv=None):
         if jagg.jagg_fingerprint:
             print(fingerprint(module))
             return 0
-        family = apply(module, **jagg_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
+        family = apply(module, **upstream_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
     except (ValueError, FileNotFoundError, UpstreamChanged) as e:
         fail(str(e))
     except ImportError as e:

@@ -1,0 +1,110 @@
+"""The live fidelity monitor (--jagg_monitor_every N): at step 1 and every N training steps, on the
+first --jagg_monitor_samples samples of the step's first micro-batch, the exact gradient of every
+group position next to JAGG's and the endpoints ablation's. Logged per position with the step:
+jagg_cos/gP, jagg_relerr/gP, endpoints_cos/gP, endpoints_relerr/gP (the mean over the monitored
+samples), with monitor_time_s; the passes are counted apart (monitor_forwards, monitor_backwards).
+
+A position is the group's index: along each sample's trained transitions in denoising order
+(grouping trained) or along the trajectory (grouping window: the window's index).
+
+The monitor does not change the training: its gradients go into fresh .grad tensors and the step's
+own are put back afterwards (the same tensor objects, untouched), its passes run under a forked
+random state, and the update that follows is the one the run makes without it. Under FSDP each rank
+holds a shard of every gradient: the dot products are summed over ranks (not the vectors), so the
+cosines are of the full gradient, the mean of the ranks' monitored samples.
+"""
+import time
+from collections import defaultdict
+
+import torch
+
+from .core import jagg_group_backward
+
+MEASURED = ("jagg", "endpoints")
+
+
+def _gradient(params, run):
+    """run() backpropagates into params that hold no .grad; returns their gradients and clears them."""
+    run()
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads
+
+
+def _sum_over_ranks(values, device):
+    import torch.distributed as dist
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def compare(exact, approx):
+    """(cos, relative error) of two gradients given as lists of (this rank's shards of) tensors."""
+    sums = [0.0, 0.0, 0.0, 0.0]   # e.a, a.a, e.e, (e-a).(e-a)
+    for e, a in zip(exact, approx):
+        e, a = e.double(), a.double()
+        sums = [s + float(x) for s, x in zip(sums, ((e * a).sum(), (a * a).sum(), (e * e).sum(),
+                                                     ((e - a) ** 2).sum()))]
+    device = exact[0].device if exact else "cpu"
+    ea, aa, ee, dd = _sum_over_ranks(sums, device)
+    if ee == 0 or aa == 0:
+        return None   # a sample without gradient (advantage 0): no direction to compare
+    return ea / (ee * aa) ** 0.5, (dd / ee) ** 0.5
+
+
+class Monitor:
+    """Measures JAGG's fidelity beside the run's own update; `history` keeps every measurement."""
+
+    def __init__(self, every, samples=2, alpha="timestep", backward="split"):
+        if every < 0 or samples < 1:
+            raise ValueError(f"the JAGG monitor needs every >= 0 and samples >= 1, got {every} and {samples}")
+        self.every, self.samples, self.alpha, self.backward = every, samples, alpha, backward
+        self.history = []   # (step, {metric: value})
+        self._last_step = None
+
+    def due(self, batch):
+        """The first micro-batch of step 1 and of every `every`-th step."""
+        if not self.every or batch.step == self._last_step:
+            return False
+        return batch.step == 1 or batch.step % self.every == 0
+
+    def measure(self, batch, groups):
+        """The metrics of one measurement; groups(sub) yields (position, sub-batch, cols [m, w]) of a
+        one-sample batch, every group (routing plays no part)."""
+        self._last_step = batch.step
+        start = time.perf_counter()
+        params = batch.parameters()
+        saved = [p.grad for p in params]
+        values = defaultdict(list)
+        devices = [d for d in {p.device for p in params} if d.type == "cuda"]
+        try:
+            for p in params:
+                p.grad = None
+            with torch.random.fork_rng(devices=devices), batch.counted_apart():
+                for row in range(min(self.samples, batch.steps.shape[0])):
+                    one = batch.subset(torch.tensor([row], device=batch.steps.device))
+                    for position, sub, cols in groups(one):
+                        if cols.shape[1] >= 2:
+                            self._measure_group(params, sub, cols, position, values)
+        finally:
+            for p, g in zip(params, saved):
+                p.grad = g
+        metrics = {name: sum(v) / len(v) for name, v in sorted(values.items())}
+        metrics["monitor_time_s"] = time.perf_counter() - start
+        self.history.append((batch.step, metrics))
+        return metrics
+
+    def _measure_group(self, params, sub, cols, position, values):
+        def run(mode):
+            return lambda: jagg_group_backward(
+                lambda j: sub.predict(cols[:, j]), lambda j, v: sub.step_loss(cols[:, j], v),
+                sub.timesteps.to(cols.device)[cols].T, mode, self.alpha, self.backward, sub.backward, None,
+                lambda i, j: sub.predict_batched([cols[:, i], cols[:, j]]))
+        exact = _gradient(params, run("exact"))
+        for mode in MEASURED:
+            result = compare(exact, _gradient(params, run(mode)))
+            if result is not None:
+                values[f"{mode}_cos/g{position}"].append(result[0])
+                values[f"{mode}_relerr/g{position}"].append(result[1])

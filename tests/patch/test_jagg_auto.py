@@ -1,0 +1,104 @@
+"""--jagg_frac auto: on a velocity field built so that the answer is known (its Jacobian is exactly
+affine in (z, t) over the high-noise group, strongly nonlinear over the low-noise one), the monitor
+measures cos 1 where JAGG is exact, auto routes exactly that position to JAGG, and the routed
+update's gradient equals the fixed-fraction update with the same routing. The smoothing and the
+hysteresis of the routing, step by step."""
+import contextlib
+
+import torch
+
+from dancegrpo.algo.grpo import UpdateBatch
+from jagg_patch import interpolation_weights, make_policy_update
+from jagg_patch.routing import MARGIN, AutoRouting
+
+M, L, C, S, W = 2, 3, 4, 8, 3
+T_SWITCH = 0.6   # above: affine field; below: a tanh network on top
+STEPS = list(range(2 * W))   # each sample trains transitions 0..5: groups {0, 1, 2} (high noise), {3, 4, 5}
+
+
+class SwitchedField(torch.nn.Module):
+    """v = A z + b t + c, plus for t < T_SWITCH a tanh network of z times sin(40 t): dv/dtheta is affine
+    in (z, t) above T_SWITCH and far from it below."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.A = torch.nn.Parameter(torch.randn(C, C, generator=g, dtype=torch.float64) * 0.5)
+        self.b = torch.nn.Parameter(torch.randn(C, generator=g, dtype=torch.float64))
+        self.c = torch.nn.Parameter(torch.randn(C, generator=g, dtype=torch.float64))
+        self.W1 = torch.nn.Parameter(torch.randn(16, C, generator=g, dtype=torch.float64) * 3)
+        self.W2 = torch.nn.Parameter(torch.randn(C, 16, generator=g, dtype=torch.float64))
+
+    def forward(self, z, t):
+        t = t.reshape(-1, 1, 1)
+        affine = z @ self.A.T + t * self.b + self.c
+        wave = (t < T_SWITCH).to(z.dtype) * torch.sin(40 * t)   # 0 above T_SWITCH; below, a fast oscillation in t
+        return affine + wave * (torch.tanh(z @ self.W1.T) @ self.W2.T)
+
+
+def _problem():
+    """Timesteps, states and a PPO-like loss: over the first group the middle state lies on the segment
+    between its neighbours at alpha (so JAGG is exact there); elsewhere the states are random."""
+    g = torch.Generator().manual_seed(1)
+    t = torch.linspace(0.95, 0.05, S, dtype=torch.float64)
+    z = torch.randn(S, M, L, C, generator=g, dtype=torch.float64)
+    alpha = interpolation_weights(t[:W])
+    for j in range(1, W - 1):
+        z[j] = (1 - alpha[j]) * z[0] + alpha[j] * z[W - 1]
+    target = torch.randn(S, M, L, C, generator=g, dtype=torch.float64)
+    adv = torch.randn(M, generator=g, dtype=torch.float64)
+    assert bool((t[:W] > T_SWITCH).all()) and bool((t[W:2 * W] < T_SWITCH).all())
+    return t, z, target, adv
+
+
+def _batch(model, rows=None, step=1):
+    t, z, target, adv = _problem()
+    rows = torch.arange(M) if rows is None else rows
+
+    def predict(k):
+        return model(z[k, rows], t[k])
+
+    def step_loss(k, v):
+        return (adv[rows] * ((target[k, rows] - v) ** 2).mean(dim=(1, 2))).sum()
+
+    return UpdateBatch(predict=predict, step_loss=step_loss, steps=torch.tensor([STEPS] * len(rows)), timesteps=t,
+                       subset=lambda r: _batch(model, rows[r], step), step=step,
+                       parameters=lambda: list(model.parameters()), counted_apart=contextlib.nullcontext,
+                       predict_batched=lambda ks: [predict(k) for k in ks])
+
+
+def _grads(model, update, batch):
+    for p in model.parameters():
+        p.grad = None
+    stats = update(batch)
+    return stats, [p.grad.clone() for p in model.parameters()]
+
+
+def test_auto_routes_exactly_the_linear_position_and_trains_as_that_fixed_routing():
+    model = SwitchedField()
+    auto = make_policy_update(W, "auto", backward="split", monitor_every=5, monitor_samples=M, min_cos=0.8)
+    stats, routed = _grads(model, auto, _batch(model))
+    assert abs(stats.metrics["jagg_cos/g0"] - 1) < 1e-12 and stats.metrics["jagg_relerr/g0"] < 1e-10
+    assert stats.metrics["jagg_cos/g1"] < 0.6   # measured 0.51: far below the threshold
+    assert stats.metrics["jagg_routed"] == 0b01 and auto.routing.routed == {0}
+    assert (stats.jagg_groups, stats.exact_groups) == (M, M)
+    # The same routing by a fixed fraction: the first of the two positions (round_half_up(2 x 0.5) = 1).
+    fixed_stats, fixed = _grads(model, make_policy_update(W, 0.5, backward="split"), _batch(model))
+    assert all(torch.equal(a, b) for a, b in zip(routed, fixed)) and fixed_stats.loss == stats.loss
+    # Before any measurement every position is exact: a step that is not measured after a fresh start.
+    fresh = make_policy_update(W, "auto", backward="split", monitor_every=5, monitor_samples=M)
+    unmeasured, _ = _grads(model, fresh, _batch(model, step=2))
+    assert (unmeasured.jagg_groups, unmeasured.exact_groups, unmeasured.metrics) == (0, 2 * M, {"jagg_routed": 0})
+
+
+def test_the_routing_smooths_and_holds_at_the_threshold():
+    routing = AutoRouting(min_cos=0.8)
+    assert routing.routed == set()
+    seen = []
+    for cos in (0.9, 0.75, 0.7, 0.6, 0.95, 0.95):
+        routing.update({"jagg_cos/g0": cos, "endpoints_cos/g0": 0.0})
+        seen.append((round(routing.smoothed[0], 4), 0 in routing.routed))
+    # EMA with weight 0.5: 0.9 -> on; 0.825 (>= 0.8) on; 0.7625 (>= 0.75 = 0.8 - MARGIN) still on;
+    # 0.68125 off; 0.815625 on again; 0.8828 on.
+    assert MARGIN == 0.05
+    assert seen == [(0.9, True), (0.825, True), (0.7625, True), (0.6812, False), (0.8156, True), (0.8828, True)]
