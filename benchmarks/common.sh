@@ -54,9 +54,14 @@ run_variant() {
     jagg_split) mode=jagg; backward=split ;;
     jagg_window) mode=jagg; grouping=window ;;
     authors) mode=jagg; grouping=window; alpha=index; backward=split; frac=1.0; reuse=off ;;
+    jagg_frac1) mode=jagg; frac=1.0 ;;                                  # every group through JAGG
+    jagg_auto) mode=jagg; frac=auto ;;                                  # routed by the monitor's cosines
+    jagg_w8) mode=jagg; frac=1.0; extra=(--jagg_window 8) ;;
+    jagg_w8_auto) mode=jagg; frac=auto; extra=(--jagg_window 8) ;;
     *) echo "error: unknown variant '$variant' (VARIANTS takes vanilla, control, jagg, endpoints, exact," \
-            "jagg_split, jagg_window, authors)" >&2; exit 2 ;;
+            "jagg_split, jagg_window, authors, jagg_frac1, jagg_auto, jagg_w8, jagg_w8_auto)" >&2; exit 2 ;;
   esac
+  [[ "$frac" != auto ]] || extra+=(--jagg_monitor_every "${MONITOR_EVERY:-10}")
   rm -rf "$dir"
   mkdir -p "$(dirname "$dir")"
   echo "== $model / $variant -> $dir" >&2

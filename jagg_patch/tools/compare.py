@@ -18,8 +18,9 @@ first run is the reference. Printed, one row per run:
 
 With --out DIR: comparison.json (all numbers), comparison.csv (one row per run), comparison.md
 (the table), rewards.csv (per-step reward and moving average of every run) and, unless
---no_plots, reward_curves.png (raw reward faint, moving average bold) and step_times.png
-(median rollout + update time per run, stacked bars).
+--no_plots, reward_curves.png (raw reward faint, moving average bold), step_times.png
+(median rollout + update time per run, stacked bars) and, when a run was monitored
+(--jagg_monitor_every), jagg_cos.png (cos(JAGG, exact) per group position over the steps).
 
 Bad input (missing folder, no or empty metrics.jsonl, a malformed line before the last) prints
 an error and exits with status 2. Printed as warnings, the numbers still shown: a torn last line
@@ -148,6 +149,9 @@ def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
         row["run_dir"] = run_dir
         rows.append(row)
         curves[label] = dict(steps=[r["step"] for r in records if "reward_mean" in r], reward=rewards, ma=ma)
+        fidelity = fidelity_curves(records)
+        if fidelity:
+            curves[label]["jagg_cos"] = fidelity
     lengths = {row["label"]: row["steps"] for row in rows}
     if len(set(lengths.values())) > 1:
         warn(f"runs have different lengths ({lengths}); rewards are compared over different spans")
@@ -213,6 +217,40 @@ def write_outputs(out_dir, rows, curves, plots=True):
     return written
 
 
+def fidelity_curves(records):
+    """{position: {"steps": [...], "cos": [...]}} of the monitor's jagg_cos/gP (--jagg_monitor_every)."""
+    found = {}
+    for r in records:
+        for name, value in r.items():
+            if name.startswith("jagg_cos/g") and isinstance(value, (int, float)):
+                curve = found.setdefault(int(name[len("jagg_cos/g"):]), {"steps": [], "cos": []})
+                curve["steps"].append(r["step"])
+                curve["cos"].append(value)
+    return dict(sorted(found.items()))
+
+
+def plot_fidelity(path, curves):
+    """cos(JAGG, exact) per group position over the steps, one line per (run, position)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    styles = ["-", "--", ":", "-."]
+    for i, (label, c) in enumerate((k, v) for k, v in curves.items() if "jagg_cos" in v):
+        for position, curve in c["jagg_cos"].items():
+            ax.plot(curve["steps"], curve["cos"], styles[i % len(styles)], color=f"C{position}", marker="o",
+                    markersize=3, label=f"{label} g{position}")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("cos(JAGG, exact)")
+    ax.set_title("Monitored fidelity per group position (g0: highest noise)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def write_plots(out_dir, rows, curves):
     import matplotlib
     matplotlib.use("Agg")
@@ -239,6 +277,8 @@ def write_plots(out_dir, rows, curves):
     paths.append(os.path.join(out_dir, "step_times.png"))
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
+    if any("jagg_cos" in c for c in curves.values()):
+        paths.append(plot_fidelity(os.path.join(out_dir, "jagg_cos.png"), curves))
     return paths
 
 

@@ -112,3 +112,22 @@ def test_bad_input_exits_2(tmp_path, case, two_runs, capsys):
         main(argv)
     assert exc.value.code == 2
     assert expected in capsys.readouterr().err
+
+
+def test_monitored_runs_get_their_cosines_per_position_plotted(tmp_path):
+    """Records with the monitor's jagg_cos/gP (only on measured steps) give per-position curves and a plot."""
+    counts = dict(COUNTS_JAGG)
+    path = write_run(tmp_path / "auto", [1.0, 2.0, 3.0], [3.0, 3.0, 3.0], [1.0, 1.0, 1.0], counts)
+    lines = [json.loads(line) for line in open(os.path.join(path, "metrics.jsonl"))]
+    lines[0].update({"jagg_cos/g0": 0.99, "jagg_cos/g1": 0.7})
+    lines[2].update({"jagg_cos/g0": 0.98, "jagg_cos/g1": 0.72, "jagg_relerr/g0": 0.1})
+    with open(os.path.join(path, "metrics.jsonl"), "w") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in lines))
+    plain = write_run(tmp_path / "vanilla", [1.0, 2.0, 3.0], [4.0, 4.0, 4.0], [1.0, 1.0, 1.0], COUNTS_VANILLA)
+    out = tmp_path / "cmp"
+    main([plain, path, "--out", str(out)])
+    data = json.loads((out / "comparison.json").read_text())
+    assert data["curves"]["auto"]["jagg_cos"] == {"0": {"steps": [1, 3], "cos": [0.99, 0.98]},
+                                                  "1": {"steps": [1, 3], "cos": [0.7, 0.72]}}
+    assert "jagg_cos" not in data["curves"]["vanilla"]
+    assert (out / "jagg_cos.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
