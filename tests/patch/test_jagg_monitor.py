@@ -11,6 +11,7 @@ from dancegrpo import trainer
 from dancegrpo.algo.grpo import choose_train_steps
 from jagg_patch import make_policy_update
 
+import helpers
 from helpers import float64_setup, reference_step_loss, reference_step_velocity, reference_t, run_main
 
 WINDOW, TRAINED, MONITORED = 3, 6, 2   # S 8: 7 transitions, 6 trained -> two positions of W 3
@@ -106,3 +107,17 @@ def test_a_monitored_run_trains_bit_for_bit_as_without_and_counts_its_passes_apa
     assert monitored[0]["monitor_forwards"] == MONITORED * 2 * 6 and monitored[0]["monitor_backwards"] == MONITORED * 2 * 6
     assert monitored[0]["jagg_cos/g0"] == pytest.approx(1.0, abs=1e-6)   # W 2: JAGG is exact
     assert monitored[0]["monitor_time_s"] > 0 and "monitor_forwards" not in plain[0]
+
+
+@pytest.mark.parametrize("dist_result", [helpers.dist_check("fsdp-monitor", "monitor")], indirect=True,
+                         ids=helpers.dist_id)
+def test_under_fsdp_the_monitor_measures_the_full_gradient_and_leaves_the_update(dist_result):
+    """tests/dist/fsdp_monitor_check.py, two ranks: each rank's cosines equal those of the full
+    gradient (the ranks' samples averaged, computed in one process), float32; the update's gradient
+    shards are bit for bit those without the monitor."""
+    assert dist_result["world_size"] == 2
+    for rank in dist_result["ranks"]:
+        assert rank["same_update"]
+        assert set(rank["measured"]) == set(rank["reference"]) and len(rank["reference"]) == 8
+        for name, value in rank["reference"].items():
+            assert rank["measured"][name] == pytest.approx(value, abs=2e-5), name
