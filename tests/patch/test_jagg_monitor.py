@@ -86,11 +86,23 @@ def _records(folder):
         return [json.loads(line) for line in f]
 
 
-def test_a_monitored_run_trains_bit_for_bit_as_without_and_counts_its_passes_apart(cache_dir, tmp_path):
+VARIANTS = {  # name: flags; W 2 on the first (JAGG is exact there: cos 1, and the pass counts by hand)
+    "trained-w2": ["--jagg_window", 2, "--jagg_frac", 1],
+    "window-index-batched": ["--jagg_window", 3, "--jagg_frac", 1, "--jagg_grouping", "window", "--jagg_alpha", "index",
+                             "--jagg_backward", "batched"],
+    "lora-auto-joint": ["--jagg_window", 3, "--jagg_frac", "auto", "--jagg_backward", "joint", "--use_lora",
+                        "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-3"],
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_monitored_run_trains_bit_for_bit_as_without_and_counts_its_passes_apart(cache_dir, tmp_path, variant):
     from safetensors.torch import load_file
     from helpers import FAST
     run = ["jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, *FAST,
-           "--max_train_steps", 3, "--jagg_window", 2, "--jagg_frac", 1]
+           "--max_train_steps", 3, *VARIANTS[variant]]
+    if variant == "lora-auto-joint":   # auto routes by the monitor: its run without one is the routing it chose
+        return _auto_equals_its_routing(run, tmp_path)
     assert run_main(*run, "--output_dir", tmp_path / "plain") == 0
     assert run_main(*run, "--output_dir", tmp_path / "monitored", "--jagg_monitor_every", 2,
                     "--jagg_monitor_samples", MONITORED) == 0
@@ -101,7 +113,10 @@ def test_a_monitored_run_trains_bit_for_bit_as_without_and_counts_its_passes_apa
     a, b = (load_file(str(tmp_path / name / "checkpoint-3-0" / "diffusion_pytorch_model.safetensors"))
             for name in ("plain", "monitored"))
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [("jagg_cos/g0" in r) for r in monitored] == [True, True, False]   # steps 1 and 2 (every 2)
+    measured = [any(k.startswith("jagg_cos/g") for k in r) for r in monitored]
+    assert measured == [True, True, False]   # steps 1 and 2 (every 2)
+    if variant != "trained-w2":
+        return
     # 4 trained transitions in 2 groups of W 2, on 2 samples: exact 2 + JAGG 2 + endpoints 2 forwards
     # with grad per group, backwards 2 + 2 + 2.
     assert monitored[0]["monitor_forwards"] == MONITORED * 2 * 6 and monitored[0]["monitor_backwards"] == MONITORED * 2 * 6
@@ -121,3 +136,21 @@ def test_under_fsdp_the_monitor_measures_the_full_gradient_and_leaves_the_update
         assert set(rank["measured"]) == set(rank["reference"]) and len(rank["reference"]) == 8
         for name, value in rank["reference"].items():
             assert rank["measured"][name] == pytest.approx(value, abs=2e-5), name
+
+
+def _auto_equals_its_routing(run, tmp_path):
+    """--jagg_frac auto on a LoRA run: the routing it logs is that of the fixed fraction that routes the
+    same positions, and the run with that fraction ends on the same adapter, bit for bit."""
+    from dancegrpo.adapters.lora import LoraWeights
+    assert run_main(*run, "--output_dir", tmp_path / "auto", "--jagg_monitor_every", 2) == 0
+    records = _records(tmp_path / "auto")
+    masks = {r["jagg_routed"] for r in records}
+    assert len(masks) == 1 and "jagg_cos/g0" in records[0]   # one routing, chosen at step 1
+    (mask,) = masks
+    routed = [p for p in range(2) if mask >> p & 1]   # 4 trained transitions, W 3: groups of 3 and 1
+    fixed = {(): 0.0, (0,): 1.0, (0, 1): 1.0}[tuple(routed)]
+    assert run_main(*[a if a != "auto" else fixed for a in run], "--output_dir", tmp_path / "fixed") == 0
+    a, b = (LoraWeights.read_state(str(tmp_path / name / "checkpoint-3-0")) for name in ("auto", "fixed"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["transformer_backwards"] for r in records] == [r["transformer_backwards"]
+                                                            for r in _records(tmp_path / "fixed")]
