@@ -270,9 +270,7 @@ def validate_args(args):
     validate_lora_args(args)
     validate_engine_args(args)
     args.reward_terms = resolve_reward_spec(args)
-    captions = read_captions(args.data_json_path)
-    if captions:
-        check_reward_prompts(args.reward_terms, captions, args.data_json_path)
+    check_reward_prompts(args.reward_terms, lambda: read_captions(args.data_json_path), args.data_json_path)
 
 
 def read_captions(json_path):

@@ -42,6 +42,7 @@ import torch
 from . import presets
 from .adapters.origin import AdapterMismatch, check_adapter, origin_problem, read_origin
 from .errors import NonFiniteError
+from .run.finite import nonfinite_parameters
 from .run.readers import ReaderLock, run_folder_of
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
 from .models.base import compute_autocast
@@ -376,11 +377,6 @@ def table_header(metric_names):
     return head + "\n|" + "---|" * (len(metric_names) + 2)
 
 
-def nonfinite_weights(model):
-    """Names of the parameters holding NaN/inf (a diverged run's checkpoint)."""
-    return [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-
-
 def nonfinite_summary(label, path, names, reason):
     """The row of a checkpoint that cannot be scored: flagged, with no metric to rank."""
     return {"label": label, "checkpoint": os.path.abspath(path), "num_images": 0, "nonfinite": reason,
@@ -416,7 +412,7 @@ def run(args):
     for label, path in args.checkpoints:
         transformer = load_transformer(transformer_cls, path, device, base=args.pretrained_model_name_or_path)
         try:
-            bad = nonfinite_weights(transformer)
+            bad = nonfinite_parameters(transformer)   # a diverged run's checkpoint
             if bad:
                 raise NonFiniteError(f"{len(bad)} weight tensor(s) hold NaN/inf, e.g. {bad[0]}")
             summary = evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label,

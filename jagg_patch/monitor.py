@@ -32,9 +32,8 @@ def _gradient(params, run):
     return grads
 
 
-def _sum_over_ranks(values, device):
+def _sum_over_ranks(t):
     import torch.distributed as dist
-    t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(t)
     return t.tolist()
@@ -42,26 +41,24 @@ def _sum_over_ranks(values, device):
 
 def compare(exact, approx):
     """(cos, relative error) of two gradients given as lists of (this rank's shards of) tensors."""
-    sums = [0.0, 0.0, 0.0, 0.0]   # e.a, a.a, e.e, (e-a).(e-a)
+    device = exact[0].device if exact else torch.device("cpu")
+    sums = torch.zeros(4, dtype=torch.float64, device=device)   # e.a, a.a, e.e, (e-a).(e-a)
     for e, a in zip(exact, approx):
         e, a = e.double(), a.double()
-        sums = [s + float(x) for s, x in zip(sums, ((e * a).sum(), (a * a).sum(), (e * e).sum(),
-                                                     ((e - a) ** 2).sum()))]
-    device = exact[0].device if exact else "cpu"
-    ea, aa, ee, dd = _sum_over_ranks(sums, device)
+        sums += torch.stack([(e * a).sum(), (a * a).sum(), (e * e).sum(), ((e - a) ** 2).sum()])
+    ea, aa, ee, dd = _sum_over_ranks(sums)   # one host sync per comparison, not one per tensor
     if ee == 0 or aa == 0:
         return None   # a sample without gradient (advantage 0): no direction to compare
     return ea / (ee * aa) ** 0.5, (dd / ee) ** 0.5
 
 
 class Monitor:
-    """Measures JAGG's fidelity beside the run's own update; `history` keeps every measurement."""
+    """Measures JAGG's fidelity beside the run's own update."""
 
     def __init__(self, every, samples=2, alpha="timestep", backward="split"):
         if every < 0 or samples < 1:
             raise ValueError(f"the JAGG monitor needs every >= 0 and samples >= 1, got {every} and {samples}")
         self.every, self.samples, self.alpha, self.backward = every, samples, alpha, backward
-        self.history = []   # (step, {metric: value})
         self._last_step = None
 
     def due(self, batch):
@@ -93,7 +90,6 @@ class Monitor:
                 p.grad = g
         metrics = {name: sum(v) / len(v) for name, v in sorted(values.items())}
         metrics["monitor_time_s"] = time.perf_counter() - start
-        self.history.append((batch.step, metrics))
         return metrics
 
     def _measure_group(self, params, sub, cols, position, values):

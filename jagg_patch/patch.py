@@ -7,6 +7,7 @@ grouping (the authors' code) also replaces the choice of trained transitions.
 """
 import dataclasses
 import importlib
+import os
 
 import torch
 
@@ -82,7 +83,7 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
         stats = UpdateStats()
         if monitor is not None and monitor.due(batch):   # before the update: its gradient stays the run's own
             stats.metrics.update(monitor.measure(batch, every_group))
-            if routing is not None and routing.update(stats.metrics) and _is_rank0():
+            if routing is not None and routing.update(stats.metrics) and int(os.environ.get("RANK", "0")) == 0:
                 print(f"step {batch.step}: {routing.describe()}", flush=True)
         if routing is not None:
             stats.metrics["jagg_routed"] = sum(1 << p for p in routing.routed)   # bit p: position p runs JAGG
@@ -110,10 +111,6 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
     policy_update.uses_rollout_outputs = reuse != "off" and mode != "exact" and (jagg_frac == AUTO or jagg_frac > 0)
     return policy_update
 
-
-def _is_rank0():
-    import torch.distributed as dist
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def make_window_selection(window):

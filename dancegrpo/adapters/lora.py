@@ -21,9 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from ..utils.checkpoint import LORA_WEIGHTS_NAME, write_transformer_folder
 from ..errors import ConfigError
-from .origin import ORIGIN_KEY, AdapterMismatch, check_adapter, origin_record
+from .origin import ORIGIN_KEY, PREFIX, AdapterMismatch, check_adapter, origin_record
 
-PREFIX = "transformer."
 ADAPTER = "default"
 
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from ..models.base import FAMILY_OF_CLASS
 
 ORIGIN_KEY = "dancegrpo_origin"   # safetensors metadata: JSON of origin_record
-PREFIX = "transformer."
+PREFIX = "transformer."   # diffusers' key prefix of a transformer adapter
 
 
 class AdapterMismatch(ValueError):
@@ -51,7 +51,7 @@ def origin_problem(record, config, path):
     if record["transformer"] != here_cls:
         return (f"the adapter {path!r} was trained on a {_label(record['transformer'])} but this model is a "
                 f"{_label(here_cls)}: load it with the trainer / --family of its own family, on its base model")
-    here = json.loads(json.dumps(architecture(config), default=list))
+    here = origin_record(config)["architecture"]
     # Keys on one side only are not compared: a config.json read from disk may leave defaults out.
     differing = sorted(k for k in set(here) & set(record["architecture"]) if here[k] != record["architecture"][k])
     if differing:

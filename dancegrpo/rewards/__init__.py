@@ -26,12 +26,15 @@ _PROMPT_CHECKS = {
 }
 
 
-def check_reward_prompts(terms, captions, source):
-    """ConfigError when a reward in `terms` cannot score these prompts (each reward's own rule)."""
-    for name, _ in terms:
-        if name in _PROMPT_CHECKS:
-            module, attr = _PROMPT_CHECKS[name].split(":")
-            getattr(importlib.import_module(module), attr)(name, captions, source)
+def check_reward_prompts(terms, read_captions, source):
+    """ConfigError when a reward in `terms` cannot score the prompts (each reward's own rule);
+    read_captions() -> the prompts, or None when they cannot be read. Only called when a reward
+    has a rule."""
+    checked = [name for name, _ in terms if name in _PROMPT_CHECKS]
+    captions = read_captions() if checked else None
+    for name in checked if captions else []:
+        module, attr = _PROMPT_CHECKS[name].split(":")
+        getattr(importlib.import_module(module), attr)(name, captions, source)
 
 
 def register_reward(name):

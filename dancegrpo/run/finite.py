@@ -41,12 +41,17 @@ def require_finite(quantity, value, step, device, where="", hint=None):
             f"optimizer step or checkpoint followed, so the last checkpoint is clean. What to try: {advice}.")
 
 
+def nonfinite_parameters(model):
+    """Names of the parameters holding NaN/inf."""
+    return [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+
+
 def damaged_weights_hint(model, device):
     """For a NaN/inf policy output: the run never steps on a NaN loss or gradient, so weights that
     hold NaN/inf came that way from the files it loaded (the model folder or the checkpoint it
     resumed), a damaged file rather than a diverged run. None (the usual advice) when they are
     finite. Collective: every rank checks its own part."""
-    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    bad = nonfinite_parameters(model)
     if not all_reduce_max(float(len(bad)), device):
         return None
     example = f", e.g. {bad[0]}" if bad else ""

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import socket
-import sys
 import uuid
 
 LOCK_NAME = ".readers.lock"
@@ -33,7 +32,7 @@ class ReaderLock:
 
     def __init__(self, folder, what=None):
         self.folder = folder
-        self.what = what or " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv[:3]))
+        self.what = what or "a reader"
         self._fd = self._entry = None
 
     def acquire(self):

@@ -264,17 +264,21 @@ def read_run_config(folder):
         return json.load(f)
 
 
+def _delete_beyond(paths, keep, protect):
+    """Delete paths[keep:] (newest first), never those in `protect`; returns the deleted."""
+    spared = {os.path.abspath(p) for p in protect if p}
+    removed = [p for p in paths[keep:] if os.path.abspath(p) not in spared]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
 def prune_checkpoints(output_dir, keep, protect=()):
     """Delete the oldest checkpoints beyond `keep`, never those in `protect` (the one just
     written, the one the run resumed from)."""
     if not keep:
         return []
-    removed, spared = [], {os.path.abspath(p) for p in protect if p}
-    for _, path in checkpoints_by_step(output_dir)[keep:]:
-        if os.path.abspath(path) not in spared:
-            shutil.rmtree(path)
-            removed.append(path)
-    return removed
+    return _delete_beyond([p for _, p in checkpoints_by_step(output_dir)], keep, protect)
 
 
 def make_room(output_dir, keep, writing, protect=()):
@@ -284,14 +288,8 @@ def make_room(output_dir, keep, writing, protect=()):
     in `protect` (the one the run resumed from)."""
     if not keep:
         return []
-    spared = {os.path.abspath(p) for p in (*protect, latest_checkpoint(output_dir), writing) if p}
     others = [p for _, p in checkpoints_by_step(output_dir) if os.path.abspath(p) != os.path.abspath(writing)]
-    removed = []
-    for path in others[keep - 1:]:
-        if os.path.abspath(path) not in spared:
-            shutil.rmtree(path)
-            removed.append(path)
-    return removed
+    return _delete_beyond(others, keep - 1, (*protect, latest_checkpoint(output_dir)))
 
 
 def load_folder_state(folder):
