@@ -4,7 +4,9 @@
 #   1. vanilla and JAGG (W 4, jagg_frac 0.6), 3 training steps each, in a single process;
 #   2. the same under `torchrun --nproc_per_node=1` (the launcher's path; with one rank no process
 #      group is created, so this checks the launch, not NCCL collectives);
-#   3. the update-phase micro-benchmark `jagg_patch.tools.bench_update` at upstream's geometry (S 16 /
+#   3. JAGG with `--jagg_frac auto` and the fidelity monitor at every step (its cosines and its
+#      own time, counted apart);
+#   4. the update-phase micro-benchmark `jagg_patch.tools.bench_update` at upstream's geometry (S 16 /
 #      20, fraction 0.6);
 # then prints ONE table: median step / update seconds, cuda_peak_mb and backwards per step of every
 # run, and bench_update's update / whole-step gains. Outputs under $OUT (runs/gpu_check).
@@ -27,6 +29,7 @@ MODELS="${MODELS:-flux qwenimage}"
 STEPS="${STEPS:-3}"
 CACHE_DIR="${CACHE_DIR:-./cache_dir}"
 JAGG_FLAGS=(--jagg_window 4 --jagg_frac 0.6)
+TORCHRUN=("$PY" -m torch.distributed.run)   # torchrun itself, from the same Python as the other runs
 mkdir -p "$OUT"
 T0=$SECONDS
 
@@ -43,9 +46,11 @@ for model in $MODELS; do
           --overwrite_output_dir --checkpointing_steps 100000)
   run "$model-vanilla" "$PY" -m "$trainer" "${common[@]}" --output_dir "$OUT/$model-vanilla"
   run "$model-jagg" "$PY" -m jagg_patch "$trainer" "${JAGG_FLAGS[@]}" "${common[@]}" --output_dir "$OUT/$model-jagg"
-  run "$model-torchrun-vanilla" torchrun --standalone --nproc_per_node=1 -m "$trainer" "${common[@]}" \
+  run "$model-jagg-auto" "$PY" -m jagg_patch "$trainer" --jagg_window 4 --jagg_frac auto --jagg_monitor_every 1 \
+    "${common[@]}" --output_dir "$OUT/$model-jagg-auto"
+  run "$model-torchrun-vanilla" "${TORCHRUN[@]}" --standalone --nproc_per_node=1 -m "$trainer" "${common[@]}" \
     --output_dir "$OUT/$model-torchrun-vanilla"
-  run "$model-torchrun-jagg" torchrun --standalone --nproc_per_node=1 -m jagg_patch "$trainer" "${JAGG_FLAGS[@]}" \
+  run "$model-torchrun-jagg" "${TORCHRUN[@]}" --standalone --nproc_per_node=1 -m jagg_patch "$trainer" "${JAGG_FLAGS[@]}" \
     "${common[@]}" --output_dir "$OUT/$model-torchrun-jagg"
   run "$model-bench_update" "$PY" -m jagg_patch.tools.bench_update "$trainer" --preset small --cache_dir "$CACHE_DIR" \
     --mixed_precision bf16 --output_dir "$OUT/$model-bench" --sampling_steps "$S" --timestep_fraction 0.6 \
@@ -58,16 +63,17 @@ import json, os, statistics
 out, models = os.environ["OUT"], os.environ["MODELS"].split()
 import torch
 print(f"# GPU check: {torch.cuda.get_device_name(0)} | torch {torch.__version__} | {os.environ['ELAPSED']} s\n")
-print("| run | step s | update s | cuda_peak_mb | backwards / step |")
-print("|---|---|---|---|---|")
+print("| run | step s | update s | monitor s | cuda_peak_mb | backwards / step | jagg_cos per position (last step) |")
+print("|---|---|---|---|---|---|---|")
 for model in models:
-    for run in ("vanilla", "jagg", "torchrun-vanilla", "torchrun-jagg"):
+    for run in ("vanilla", "jagg", "jagg-auto", "torchrun-vanilla", "torchrun-jagg"):
         with open(os.path.join(out, f"{model}-{run}", "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         timed = rows[1:] or rows
         med = lambda k: statistics.median(r[k] for r in timed if k in r) if any(k in r for r in timed) else float("nan")
+        cos = " ".join(f"{rows[-1][k]:.3f}" for k in sorted(rows[-1]) if k.startswith("jagg_cos/"))
         print(f"| {model} {run} | {med('step_time_s'):.3f} | {med('update_time_s'):.3f} | "
-              f"{med('cuda_peak_mb'):.0f} | {med('transformer_backwards'):g} |")
+              f"{med('monitor_time_s'):.3f} | {med('cuda_peak_mb'):.0f} | {med('transformer_backwards'):g} | {cos} |")
 print("\n| model | bench_update mode | update gain | predicted | whole-step gain | activation peak MB vanilla -> mode |")
 print("|---|---|---|---|---|---|")
 for model in models:

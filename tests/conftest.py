@@ -18,7 +18,40 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: multi-run learning checks (~1 min); still run in CI")
+    config.addinivalue_line("markers", "slow: tens of seconds of runs or processes (learning checks, scripts, "
+                                       "two-rank launches); still run in CI, started first under -n")
+
+
+# Under pytest-xdist (`-n 2 --dist loadgroup`, as the README runs the suite) a work unit goes to one
+# worker. Tests that share an expensive start stay in one unit, or each worker would pay for it: the
+# users of a module-scoped fixture (one per module: the DeepSpeed runs, the benchmark scripts side by
+# side, the upstream stand-in's process group) and every two-rank check (one torchrun launch for all
+# of them). The units holding a slow test go first: they are the long poles.
+DIST_GROUP = "two_rank_checks"
+
+
+def _work_unit(item):
+    if "dist_result" in item.fixturenames:
+        return DIST_GROUP
+    defs = getattr(item, "_fixtureinfo", None)
+    for fixturedefs in (defs.name2fixturedefs.values() if defs else ()):
+        if any(d.scope == "module" for d in fixturedefs):
+            return item.nodeid.split("::")[0]
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    units = {}
+    for item in items:
+        unit = _work_unit(item)
+        if unit is not None:
+            item.add_marker(pytest.mark.xdist_group(unit))
+        units.setdefault(unit or item.nodeid, []).append(item)
+    slow = {key for key, members in units.items()
+            if key == DIST_GROUP or any(m.get_closest_marker("slow") for m in members)}
+    order = {key: (key not in slow, i) for i, key in enumerate(units)}
+    items[:] = [m for key in sorted(units, key=order.get) for m in units[key]]
 
 
 @pytest.fixture(scope="session")

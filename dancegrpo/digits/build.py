@@ -218,13 +218,20 @@ def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8
     return float((predicted == [data.digit_of_prompt(p) for p in prompts]).mean())
 
 
-def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=print):
+def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=print, max_images=None):
+    """Train the family's VAE and transformer and write the model folder. `max_images` keeps the first
+    images of each split and as many evaluation samples (at most the usual 200): a quick build
+    whose numbers say nothing, for checking the path end to end."""
     world = FAMILIES[family_name]
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     (x, y), (test_x, _) = data.load_split()
+    x, y, test_x = x[:max_images], y[:max_images], test_x[:max_images]
+    eval_samples = min(200, max_images or 200)
     record = {"family": family_name, "seed": seed, "size": SIZE, "vae_steps": vae_steps,
               "transformer_steps": transformer_steps, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if max_images is not None:
+        record["max_images"] = max_images
     t0 = time.time()
     vae, latents = train_vae(world, pixels(x), vae_steps, generator)
     record["vae_time_s"] = round(time.time() - t0, 1)
@@ -236,8 +243,8 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
     transformer = train_transformer(world, family, latents, y, embeds, transformer_steps, generator)
     record["transformer_time_s"] = round(time.time() - t0, 1)
     log(f"transformer: {transformer_steps} steps in {record['transformer_time_s']} s")
-    record["heldout_rate_ode"] = correct_class_rate(family, transformer, vae, embeds)
-    record["heldout_rate_sde"] = correct_class_rate(family, transformer, vae, embeds, eta=0.3)
+    record["heldout_rate_ode"] = correct_class_rate(family, transformer, vae, embeds, n=eval_samples)
+    record["heldout_rate_sde"] = correct_class_rate(family, transformer, vae, embeds, n=eval_samples, eta=0.3)
     log(f"held-out correct-class rate of samples: ODE {record['heldout_rate_ode']:.3f}, "
         f"SDE (eta 0.3) {record['heldout_rate_sde']:.3f}")
     os.makedirs(out, exist_ok=True)
@@ -258,9 +265,12 @@ def main(argv=None):
     p.add_argument("--vae_steps", type=int, default=300)
     p.add_argument("--transformer_steps", type=int, default=1500)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max_images", type=int, default=None,
+                   help="Keep only the first N images of each split and N evaluation samples: a quick check of "
+                        "the build, not a model to use.")
     args = p.parse_args(argv)
     return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed,
-                 log=lambda m: print(m, flush=True))
+                 log=lambda m: print(m, flush=True), max_images=args.max_images)
 
 
 if __name__ == "__main__":

@@ -133,13 +133,14 @@ def test_shipped_generator_follows_prompts_only_partly(make_args, family, low, h
     assert low < rate < high, rate
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_short_build_gives_a_loadable_working_model(make_args, tmp_path, family):
     import importlib
     from dancegrpo.digits.build import build
     out = tmp_path / "digits"
-    record = build(family, str(out), vae_steps=2, transformer_steps=2, log=lambda m: None)
-    assert record["vae_steps"] == 2 and 0.0 <= record["heldout_rate_ode"] <= 1.0
+    record = build(family, str(out), vae_steps=2, transformer_steps=2, log=lambda m: None, max_images=40)
+    assert record["vae_steps"] == 2 and record["max_images"] == 40 and 0.0 <= record["heldout_rate_ode"] <= 1.0
     history = importlib.import_module(FAMILIES[family]).main(make_args(
         "--pretrained_model_name_or_path", out, "--data_json_path", out / "data" / "prompts.json",
         "--max_train_steps", 1, "--train_batch_size", 2, "--num_generations", 2, "--gradient_accumulation_steps", 4,

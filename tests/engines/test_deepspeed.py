@@ -64,6 +64,7 @@ def max_diff(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
+@pytest.mark.slow
 def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(runs):
     """Measured: ZeRO-2 bit-equal to the plain single-process run after 2 steps, ZeRO-3 9.7e-7 off
     (tolerance 1e-5: the reduction order of another CPU may differ; a step moves weights ~1e-2); a

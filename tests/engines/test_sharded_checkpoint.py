@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -35,6 +36,7 @@ def _finish(proc, limit=300):
     assert proc.returncode == 0, err[-3000:]
 
 
+@pytest.mark.slow
 def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_path, capsys):
     a, b = tmp_path / "a", tmp_path / "b"
     _finish(_launch(cache_dir, a, "--max_train_steps", 3))

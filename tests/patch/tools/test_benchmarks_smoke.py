@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from helpers import REPO_ROOT
 
+pytestmark = pytest.mark.slow
+
 ROOT = REPO_ROOT
 # 1 prompt x 2 generations, S = 8 (4 trained transitions: window 4 gives one JAGG group)
 SIZE = ("--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 "
