@@ -8,8 +8,8 @@
 #      own time, counted apart);
 #   4. the update-phase micro-benchmark `jagg_patch.tools.bench_update` at upstream's geometry (S 16 /
 #      20, fraction 0.6);
-# then prints ONE table: median step / update seconds, cuda_peak_mb and backwards per step of every
-# run, and bench_update's update / whole-step gains. Outputs under $OUT (runs/gpu_check).
+# then prints ONE table: median step / update / monitor seconds, cuda_peak_mb, backwards per step and
+# the monitor's cosines of every run, and bench_update's update / whole-step gains. Outputs under $OUT (runs/gpu_check).
 #
 #   bash benchmarks/gpu_check.sh             # on the GPU machine
 #   MODELS=flux STEPS=2 bash benchmarks/gpu_check.sh
