@@ -130,16 +130,19 @@ def jagg_kwargs(args):
 AUTO_MONITOR_EVERY = 10
 
 
-def check_trajectory(args):
-    """The checks that need the trainer's geometry, before any model is loaded."""
+def monitor_for_auto(args):
+    """--jagg_frac auto routes by the monitor's cosines: without --jagg_monitor_every it measures every
+    AUTO_MONITOR_EVERY steps (said once)."""
     if args.jagg_frac == "auto" and not args.jagg_monitor_every:
         args.jagg_monitor_every = AUTO_MONITOR_EVERY
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with --jagg_monitor_every "
                   f"{AUTO_MONITOR_EVERY} (give another N to change it)", flush=True)
-    if args.jagg_monitor_every and getattr(args, "engine", None) == "deepspeed":
-        fail("--jagg_monitor_every reads the gradients from the parameters' .grad, which DeepSpeed keeps in its "
-             "own buffers: monitor under the default engine (one process or FSDP)")
+
+
+def check_trajectory(args):
+    """The checks that need the trainer's geometry, before any model is loaded."""
+    monitor_for_auto(args)
     if args.jagg_monitor_every and args.jagg_grouping == "window" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         fail("--jagg_monitor_every with --jagg_grouping window on several ranks: the ranks' samples train "
              "different windows, so their measuring passes would not line up; use --jagg_grouping trained")

@@ -7,29 +7,33 @@ samples), with monitor_time_s; the passes are counted apart (monitor_forwards, m
 A position is the group's index: along each sample's trained transitions in denoising order
 (grouping trained) or along the trajectory (grouping window: the window's index).
 
-The monitor does not change the training: its gradients go into fresh .grad tensors and the step's
-own are put back afterwards (the same tensor objects, untouched), its passes run under a forked
-random state, and the update that follows is the one the run makes without it. Under FSDP each rank
-holds a shard of every gradient: the dot products are summed over ranks (not the vectors), so the
-cosines are of the full gradient, the mean of the ranks' monitored samples.
+The monitor does not change the training: its gradients go through the batch's gradient probe
+(dancegrpo.engines.probe: fresh .grad tensors, the step's own put back afterwards, the same tensor
+objects; under DeepSpeed autograd.grad into a buffer of its own, past ZeRO's hooks), its passes run
+under a forked random state, and the update that follows is the one the run makes without it. The
+cosines are of the full gradient, the mean of the ranks' monitored samples: each rank holds a part
+of it (its FSDP shard, or its slice of the all-reduced mean under DeepSpeed) and the dot products
+are summed over ranks, not the vectors.
 """
 import time
 from collections import defaultdict
 
 import torch
 
+from dancegrpo.engines.probe import GradProbe
+
 from .core import jagg_group_backward
 
 MEASURED = ("jagg", "endpoints")
 
 
-def _gradient(params, run):
-    """run() backpropagates into params that hold no .grad; returns their gradients and clears them."""
-    run()
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return grads
+def _probe_of(batch):
+    if batch.gradient_probe is not None:
+        return batch.gradient_probe()
+    if batch.backward is not None:
+        raise ValueError("the JAGG monitor cannot read this engine's gradients: its backward is its own and "
+                         "its UpdateBatch gives no gradient_probe")
+    return GradProbe(batch.parameters())
 
 
 def _sum_over_ranks(t):
@@ -72,35 +76,28 @@ class Monitor:
         one-sample batch, every group (routing plays no part)."""
         self._last_step = batch.step
         start = time.perf_counter()
-        params = batch.parameters()
-        saved = [p.grad for p in params]
         values = defaultdict(list)
-        devices = [d for d in {p.device for p in params} if d.type == "cuda"]
-        try:
-            for p in params:
-                p.grad = None
-            with torch.random.fork_rng(devices=devices), batch.counted_apart():
-                for row in range(min(self.samples, batch.steps.shape[0])):
-                    one = batch.subset(torch.tensor([row], device=batch.steps.device))
-                    for position, sub, cols in groups(one):
-                        if cols.shape[1] >= 2:
-                            self._measure_group(params, sub, cols, position, values)
-        finally:
-            for p, g in zip(params, saved):
-                p.grad = g
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        with _probe_of(batch) as probe, torch.random.fork_rng(devices=devices), batch.counted_apart():
+            for row in range(min(self.samples, batch.steps.shape[0])):
+                one = batch.subset(torch.tensor([row], device=batch.steps.device))
+                for position, sub, cols in groups(one):
+                    if cols.shape[1] >= 2:
+                        self._measure_group(probe, sub, cols, position, values)
         metrics = {name: sum(v) / len(v) for name, v in sorted(values.items())}
         metrics["monitor_time_s"] = time.perf_counter() - start
         return metrics
 
-    def _measure_group(self, params, sub, cols, position, values):
-        def run(mode):
-            return lambda: jagg_group_backward(
+    def _measure_group(self, probe, sub, cols, position, values):
+        def gradient(mode):
+            jagg_group_backward(
                 lambda j: sub.predict(cols[:, j]), lambda j, v: sub.step_loss(cols[:, j], v),
-                sub.timesteps.to(cols.device)[cols].T, mode, self.alpha, self.backward, sub.backward, None,
+                sub.timesteps.to(cols.device)[cols].T, mode, self.alpha, self.backward, probe.backward, None,
                 lambda i, j: sub.predict_batched([cols[:, i], cols[:, j]]))
-        exact = _gradient(params, run("exact"))
+            return probe.take()
+        exact = gradient("exact")
         for mode in MEASURED:
-            result = compare(exact, _gradient(params, run(mode)))
+            result = compare(exact, gradient(mode))
             if result is not None:
                 values[f"{mode}_cos/g{position}"].append(result[0])
                 values[f"{mode}_relerr/g{position}"].append(result[1])

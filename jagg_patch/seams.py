@@ -23,7 +23,7 @@ SEAMS = (
 )
 # Fields of the seam's argument / result that the JAGG update reads or fills.
 UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "backward", "rollout_output",
-                       "on_policy", "predict_batched", "step", "parameters", "counted_apart")
+                       "on_policy", "predict_batched", "step", "parameters", "counted_apart", "gradient_probe")
 UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", "forwards_reused", "metrics")
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
 # Everything else of dancegrpo that jagg_patch, its launchers and its tools use (tests check that
@@ -35,6 +35,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.utils.fsdp_util", "clean_param_name", ("name",)),
     ("dancegrpo.errors", "ConfigError", None),
     ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
+    ("dancegrpo.engines.probe", "GradProbe", ("params",)),
     ("dancegrpo.algo.grpo", "TrainSelection", None),
     ("dancegrpo.algo.grpo", "UpdateBatch", None),
     ("dancegrpo.algo.grpo", "UpdateStats", None),

@@ -94,6 +94,8 @@ class UpdateBatch:
         shards under FSDP), for an update that measures gradients beside the step's own.
     counted_apart() -> a context manager: the transformer passes inside it are counted as a
         measurement's (monitor_forwards / monitor_backwards), not as the update's.
+    gradient_probe() -> a probe (dancegrpo.engines.probe) that takes a measurement's gradients
+        beside the step's own; None: one over parameters() that reads .grad (needs backward None).
     """
     predict: Callable
     step_loss: Callable
@@ -107,6 +109,7 @@ class UpdateBatch:
     step: int = 0
     parameters: Callable = None
     counted_apart: Callable = None
+    gradient_probe: Callable = None
 
 
 @dataclass

@@ -73,7 +73,8 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
                        rollout_output=rollout_output if rollout.outputs is not None else None, on_policy=on_policy,
                        predict_batched=predict_batched, step=ctx.step,
                        parameters=lambda: [p for p in ctx.transformer.parameters() if p.requires_grad],
-                       counted_apart=ctx.counter.apart if ctx.counter is not None else contextlib.nullcontext)
+                       counted_apart=ctx.counter.apart if ctx.counter is not None else contextlib.nullcontext,
+                       gradient_probe=ctx.engine.gradient_probe)
 
 
 def accumulate_policy_gradient(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, policy_update,

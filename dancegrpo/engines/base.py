@@ -14,6 +14,7 @@ class Engine:
     ema_module      the module whose parameters the EMA follows (names without an engine's prefix)
     optimizer, lr_scheduler
     backward        None for torch.autograd.backward, or an engine's own backward(outputs, grads)
+    gradient_probe  a measurement's gradients beside the step's own (dancegrpo.engines.probe)
     """
     name = None
     backward = None
@@ -43,6 +44,12 @@ class Engine:
     def load_state(self, folder, saved):
         """Collective: restore what `save_state` wrote; `saved` is the folder's training_state dict."""
         raise NotImplementedError
+
+    def gradient_probe(self):
+        """A probe (dancegrpo.engines.probe) over the trainable parameters: the default reads the
+        measurement's gradient from .grad, where this engine's backward leaves it."""
+        from .probe import GradProbe
+        return GradProbe(p for p in self.model.parameters() if p.requires_grad)
 
     def close(self):
         """The run is over: release what the engine holds beyond it, before the process group goes

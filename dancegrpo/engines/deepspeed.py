@@ -15,6 +15,7 @@ cadence. Gradients are averaged over ranks, as FSDP does. On CPU bf16 / fp16 in 
 turned off (CPU runs are fp32). Checkpoints: the engine's own sharded state in
 checkpoint-*/deepspeed/ for resume, plus the same diffusers transformer/ (or LoRA) files as FSDP.
 """
+import contextlib
 import json
 import os
 
@@ -155,6 +156,26 @@ class DeepSpeedEngine(Engine):
             scalar = sum((o * g.detach()).sum() for o, g in zip(outputs, grads))
         self.engine.set_gradient_accumulation_boundary(False)
         self.engine.backward(scalar, scale_wrt_gas=False)
+
+    def gradient_probe(self):
+        """ZeRO keeps the step's gradient in its own buffers, filled by hooks on the parameters: a
+        measurement takes its gradient with autograd.grad instead, past those hooks, and its
+        forwards run the module alone (_module_forward)."""
+        from .probe import AutogradProbe
+        return AutogradProbe((p for p in self.engine.module.parameters() if p.requires_grad), self._module_forward())
+
+    @contextlib.contextmanager
+    def _module_forward(self):
+        """Calling the engine runs its module alone while this is open. DeepSpeed's own forward hooks
+        the engine's backward epilogue (ZeRO's bucket reduction) onto the outputs, which then runs
+        after any backward through them, a measurement's too; ZeRO-3's gathering hooks sit on the
+        module's blocks and stay. An instance attribute shadows the engine's forward method (set in
+        __dict__: Module.__setattr__ would register the module as a child)."""
+        self.engine.__dict__["forward"] = self.engine.module.__call__
+        try:
+            yield
+        finally:
+            del self.engine.__dict__["forward"]
 
     def optimizer_step(self, check_norm):
         """Clip (the engine's gradient_clipping) and step; returns the global grad norm before clipping.

@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from ..cli import add_jagg_args, check_trajectory, fail, jagg_kwargs, jagg_plan_text
+from ..cli import add_jagg_args, check_trajectory, fail, jagg_kwargs, jagg_plan_text, monitor_for_auto
 from ..core import validate_jagg_config
 from .families import FAMILIES
 from .fingerprint import UpstreamChanged, fingerprint
@@ -25,6 +25,8 @@ flags follow the file, unchanged. JAGG flags (removed before upstream's parser s
   --jagg_alpha timestep|index  --jagg_grouping trained|window
   --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
   --jagg_reuse_rollout off|on_policy|always (on_policy)
+  --jagg_monitor_every N (0: off)  --jagg_min_cos C (0.8)   the live fidelity monitor and --jagg_frac auto;
+      upstream's micro-batch is one sample: the monitor measures each rank's first sample of the step
   --jagg_allow_upstream_changes   run although the file differs from what the adapter relies on
   --jagg_fingerprint               print the file's fingerprint (family, parameters, source hash), exit
 --jagg_mode exact reproduces upstream's own step (same gradients, returns and RNG draws).
@@ -88,20 +90,13 @@ def preflight(upstream_args, jagg, family):
         print(plan, flush=True)
 
 
-def upstream_kwargs(jagg):
-    """jagg_kwargs without the monitor's, which the upstream adapter does not offer."""
-    return {k: v for k, v in jagg_kwargs(jagg).items() if k not in ("monitor_every", "monitor_samples", "min_cos")}
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if argv else 2)
     jagg, script, upstream_argv = split_argv(argv)
-    if jagg.jagg_monitor_every or jagg.jagg_frac == "auto":
-        fail("--jagg_monitor_every and --jagg_frac auto measure gradients through this project's trainer "
-             "(python -m jagg_patch dancegrpo.train_grpo_...); on an upstream checkout give a fixed --jagg_frac")
+    monitor_for_auto(jagg)
     try:
         validate_jagg_config(jagg.jagg_window, jagg.jagg_frac, jagg.jagg_mode, jagg.jagg_alpha, jagg.jagg_backward,
                              jagg.jagg_grouping, jagg.jagg_reuse_rollout)
@@ -109,7 +104,7 @@ def main(argv=None):
         if jagg.jagg_fingerprint:
             print(fingerprint(module))
             return 0
-        family = apply(module, **upstream_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
+        family = apply(module, **jagg_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
     except (ValueError, FileNotFoundError, UpstreamChanged) as e:
         fail(str(e))
     except ImportError as e:

@@ -38,7 +38,7 @@ def make_train_one_step(module, family, update, select, original):
     def train_one_step(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        result, stats = train_step(module, family, update, select, bound.arguments)
+        result, stats = train_step(module, family, update, select, bound.arguments, step=train_one_step.calls + 1)
         train_one_step.calls += 1
         train_one_step.last_stats = stats
         _write_metrics_line(bound.arguments["args"], {"step": train_one_step.calls, "run_id": run_id,
@@ -53,15 +53,20 @@ def make_train_one_step(module, family, update, select, original):
 
 
 def apply(module, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint", reuse="on_policy",
-          grouping="trained", allow_upstream_changes=False, source_hashes=None):
+          grouping="trained", allow_upstream_changes=False, source_hashes=None, monitor_every=0, monitor_samples=2,
+          min_cos=0.8):
     """Replace module.train_one_step (upstream's own, from load_trainer or an import) by JAGG's.
     mode "exact" reproduces upstream's step; grouping "window" is the authors' (it draws windows,
-    not upstream's transitions). Applying again only changes the configuration. Returns the family."""
+    not upstream's transitions). monitor_every / monitor_samples / min_cos and jagg_frac "auto":
+    jagg_patch.make_policy_update's; upstream's micro-batch is one sample, so the monitor measures
+    each rank's first sample of the step. Applying again only changes the configuration. Returns
+    the family."""
     validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
     original = _ORIGINALS.get(module.__name__, module.train_one_step)
     module.train_one_step = original   # the fingerprint is of upstream's own function
     family = check_upstream(module, allow_upstream_changes, source_hashes, log=_print_on_rank0)
-    update = make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse)
+    update = make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse, monitor_every,
+                                monitor_samples, min_cos)
     select = make_window_selection(window) if grouping == "window" else select_train_steps
     _ORIGINALS[module.__name__] = original
     module.train_one_step = make_train_one_step(module, family, update, select, original)

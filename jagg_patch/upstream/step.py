@@ -119,8 +119,9 @@ def optimizer_step(transformer, optimizer, lr_scheduler, max_grad_norm):
     return grad_norm
 
 
-def sample_batch(module, family, traj, i, steps, on_policy, transformer, last):
-    """The UpdateBatch of sample i (a micro-batch of one). `last` keeps the latest ratio and loss."""
+def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, step=0, counter=None):
+    """The UpdateBatch of sample i (a micro-batch of one). `last` keeps the latest ratio and loss;
+    `step` (the training step) and `counter` (the step's PassCounter) serve the monitor."""
     args = traj.args
 
     def grpo_one_step(ks, model):
@@ -155,9 +156,11 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last):
 
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=traj.timesteps / 1000,
                        subset=lambda rows: sample_batch(module, family, traj, i, steps[rows], on_policy,
-                                                        transformer, last),
+                                                        transformer, last, step, counter),
                        rollout_output=rollout_output if traj.outputs is not None else None, on_policy=on_policy,
-                       predict_batched=predict_batched)
+                       predict_batched=predict_batched, step=step,
+                       parameters=lambda: [p for p in transformer.parameters() if p.requires_grad],
+                       counted_apart=counter.apart if counter is not None else contextlib.nullcontext)
 
 
 def rollout(module, family_name, update, named):
@@ -185,9 +188,10 @@ def rollout(module, family_name, update, named):
     return traj, rewards.to(torch.float32)
 
 
-def train_step(module, family_name, update, select_train_steps, named):
-    """One upstream training step with the policy update `update`; returns ((total_loss, grad_norm),
-    stats) with stats counted by hooks on the transformer."""
+def train_step(module, family_name, update, select_train_steps, named, step=1):
+    """One upstream training step (the run's `step`-th) with the policy update `update`; returns
+    ((total_loss, grad_norm), stats) with stats counted by hooks on the transformer and what the
+    update measured beside it (the monitor's metrics, the routing)."""
     family = FAMILIES[family_name]
     args, transformer, device = named["args"], named["transformer"], named["device"]
     optimizer, ga = named["optimizer"], args.gradient_accumulation_steps
@@ -207,7 +211,7 @@ def train_step(module, family_name, update, select_train_steps, named):
         t_update, stats, total_loss, grad_norm, optimizer_steps, last = time.time(), UpdateStats(), 0.0, None, 0, {}
         for i in range(num_samples):
             sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
-                                               transformer, last))
+                                               transformer, last, step, counter))
             stats += sample_stats
             loss = _mean_over_ranks(sample_stats.loss, device)
             if not math.isfinite(loss):
@@ -232,6 +236,6 @@ def train_step(module, family_name, update, select_train_steps, named):
                   "jagg_groups": stats.jagg_groups, "exact_groups": stats.exact_groups,
                   "backward_calls": stats.backward_calls, "samples": num_samples, "optimizer_steps": optimizer_steps,
                   "loss": total_loss, "grad_norm": grad_norm.item(), "step_time_s": t_end - t_start,
-                  "rollout_time_s": t_update - t_start, "update_time_s": t_end - t_update}
+                  "rollout_time_s": t_update - t_start, "update_time_s": t_end - t_update, **stats.metrics}
     return (total_loss, grad_norm.item()), stats_dict
 

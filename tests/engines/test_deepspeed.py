@@ -18,6 +18,8 @@ SMALL = ["--train_batch_size", "2", "--num_generations", "4", "--gradient_accumu
 EMA = {2: ["--use_ema"], 3: []}   # the EMA under ZeRO-2 (ZeRO-3 refuses it)
 STAGES = ((2, 0.0), (3, 1e-5))    # stage, tolerance against the plain run
 LORA = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-2", "--max_train_steps", 2]
+AUTO = ["--jagg_window", 3, "--jagg_frac", "auto", "--jagg_monitor_every", 1, "--jagg_min_cos", 0.9,
+        "--max_train_steps", 2]
 
 
 def child_env():
@@ -38,12 +40,14 @@ def runs(cache_dir, tmp_path_factory):
     process: {name: (exit status, stdout, stderr)} and the folder of each run (folder / name)."""
     folder = tmp_path_factory.mktemp("deepspeed_runs")
 
-    def run(out, *flags):
-        return ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+    def run(out, *flags, launcher=()):
+        return [*launcher, "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
                 "--output_dir", folder / out, *SMALL, *flags]
 
     plan = {"plain": run("plain", "--max_train_steps", 2),
-            "lora_plain": run("lora_plain", *LORA), "lora_z2": run("lora_z2", *LORA, *zero(2))}
+            "lora_plain": run("lora_plain", *LORA), "lora_z2": run("lora_z2", *LORA, *zero(2)),
+            "auto_plain": run("auto_plain", *AUTO, launcher=["jagg_patch"]),
+            "auto_z2": run("auto_z2", *AUTO, *zero(2), launcher=["jagg_patch"])}
     for stage, _ in STAGES:
         plan[f"z{stage}"] = run(f"z{stage}", *zero(stage), "--max_train_steps", 3, *EMA[stage])
         plan[f"z{stage}_part"] = run(f"z{stage}_part", *zero(stage), "--max_train_steps", 2, *EMA[stage])
@@ -91,6 +95,27 @@ def test_lora_under_zero2_equals_lora_without_it(runs):
     name = "pytorch_lora_weights.safetensors"
     a, b = weights(folder / "lora_plain" / "checkpoint-2-0", name), weights(folder / "lora_z2" / "checkpoint-2-0", name)
     assert max_diff(a, b) == 0.0 and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
+
+
+def test_jagg_auto_under_zero2_measures_routes_and_trains_as_without_deepspeed(runs):
+    """--jagg_frac auto with the monitor at every step: under ZeRO-2 the monitor takes its gradients
+    past the engine's buffers (engines.probe.AutogradProbe); its cosines, the routing they choose and
+    the weights after 2 steps are those of the run without DeepSpeed (whose monitor reads .grad)."""
+    _, folder = runs
+    records = {}
+    for name in ("auto_plain", "auto_z2"):
+        with open(folder / name / "metrics.jsonl") as f:
+            records[name] = [json.loads(line) for line in f]
+    for plain, z2 in zip(records["auto_plain"], records["auto_z2"]):
+        measured = sorted(k for k in plain if "_cos/" in k or "_relerr/" in k)
+        assert measured and measured == sorted(k for k in z2 if "_cos/" in k or "_relerr/" in k)
+        for key in measured:
+            assert z2[key] == pytest.approx(plain[key], abs=1e-6), key
+        assert z2["jagg_routed"] == plain["jagg_routed"]
+        assert (z2["monitor_forwards"], z2["monitor_backwards"]) == (plain["monitor_forwards"],
+                                                                    plain["monitor_backwards"]) != (0, 0)
+    assert any(r["jagg_routed"] for r in records["auto_z2"])   # it routed something to JAGG
+    assert max_diff(weights(folder / "auto_z2" / "checkpoint-2-0"), weights(folder / "auto_plain" / "checkpoint-2-0")) == 0.0
 
 
 BAD = [

@@ -138,6 +138,20 @@ def test_under_fsdp_the_monitor_measures_the_full_gradient_and_leaves_the_update
             assert rank["measured"][name] == pytest.approx(value, abs=2e-5), name
 
 
+@pytest.mark.parametrize("dist_result", [helpers.dist_check(f"zero{stage}-monitor", "deepspeed_monitor", [stage])
+                                         for stage in (2, 3)], indirect=True, ids=helpers.dist_id)
+def test_under_deepspeed_the_monitor_measures_the_full_gradient_and_leaves_the_step(dist_result):
+    """tests/dist/deepspeed_monitor_check.py, two ranks, ZeRO-2 and ZeRO-3: each rank's cosines equal
+    those of the full gradient computed in one process, float32; one optimizer step after the
+    monitored update leaves the weights of the step without the monitor, bit for bit."""
+    assert dist_result["world_size"] == 2
+    for rank in dist_result["ranks"]:
+        assert rank["same_step"] and rank["moved"] > 0
+        assert set(rank["measured"]) == set(rank["reference"]) and len(rank["reference"]) == 8
+        for name, value in rank["reference"].items():
+            assert rank["measured"][name] == pytest.approx(value, abs=2e-5), name
+
+
 def _auto_equals_its_routing(run, tmp_path):
     """--jagg_frac auto on a LoRA run: the routing it logs is that of the fixed fraction that routes the
     same positions, and the run with that fraction ends on the same adapter, bit for bit."""

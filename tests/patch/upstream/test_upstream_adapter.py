@@ -10,6 +10,7 @@ gloo group:
 """
 import argparse
 import copy
+import dataclasses
 import functools
 import json
 import os
@@ -142,7 +143,7 @@ def launch(*argv, cwd, path=()):
 def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_path):
     out = tmp_path / "run"
     # JAGG flags before the file and among upstream's: upstream's strict parser would refuse any of them.
-    run = launch("--jagg_window", 4, "--jagg_frac", 1, standin_file("flux"), "--cache_dir", cache_dir,
+    run = launch("--jagg_window", 4, "--jagg_frac", "auto", standin_file("flux"), "--cache_dir", cache_dir,
                  "--output_dir", out, "--use_group", "--num_generations", B, "--jagg_backward", "split",
                  "--gradient_accumulation_steps", B, "--max_train_steps", 2, cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
@@ -150,6 +151,10 @@ def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_p
     assert "step 2 loss" in run.stdout   # upstream's own main ran its loop
     lines = [json.loads(line) for line in (out / "jagg_metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2] and lines[0]["run_id"] == lines[1]["run_id"]
+    # --jagg_frac auto without --jagg_monitor_every: measured at step 1 (then every 10), routed from then on
+    assert "measured with --jagg_monitor_every 10" in run.stdout and "step 1: JAGG routing (auto" in run.stdout
+    assert "jagg_cos/g0" in lines[0] and "jagg_cos/g0" not in lines[1] and lines[0]["jagg_cos/g0"] >= 0.8
+    assert [r["jagg_routed"] for r in lines] == [1, 1]
     # one group of 4 per sample: 2 backwards; the middles come from the rollout (all samples on-policy)
     assert all(r["transformer_backwards"] == 2 * B and r["transformer_forwards_reused"] == 2 * B for r in lines)
     assert len((tmp_path / "reward.txt").read_text().splitlines()) == 2
@@ -294,6 +299,69 @@ def test_counts_by_hooks_and_the_metrics_line(cache_dir, tmp_path):
     assert reused["transformer_forwards_nograd"] == B * 8 + (B - GA)
     lines = [json.loads(line) for line in (tmp_path / "out" / "jagg_metrics.jsonl").read_text().splitlines()]
     assert {k: lines[0][k] for k in stats} == stats and lines[1]["reuse"] == "on_policy"
+
+
+def test_the_monitor_measures_what_it_measures_on_this_trainer_and_leaves_the_step(cache_dir, tmp_path, make_args):
+    """W 3 over 6 trained transitions (two positions), the monitor at every step: the adapter's step
+    with it gives the gradients at every optimizer step, returns, RNG draws and pass counts of the
+    step without it, bit for bit; its cosines are those jagg_patch's monitor measures on this
+    project's trainer for the same rollout and transitions (each one's first micro-batch: sample 0)."""
+    flags = ("--timestep_fraction", 0.9)   # int(7 * 0.9) = 6 trained transitions
+    standin = Standin("flux", cache_dir, tmp_path, *flags)
+    config = dict(window=3, jagg_frac=1.0, reuse="off", backward="split")
+    try:
+        apply(standin.module, **config)
+        plain = standin.step()
+        plain_stats = standin.module.train_one_step.last_stats
+        box, original = recorded_rollout(standin.module)
+        apply(standin.module, **config, monitor_every=1)
+        monitored = standin.step()
+        stats = standin.module.train_one_step.last_stats
+    finally:
+        revert(standin.module)
+        standin.module.sample_reference_model = original
+    assert plain[0] == monitored[0] and torch.equal(plain[2], monitored[2]) and torch.equal(plain[3], monitored[3])
+    assert len(plain[1]) == B // GA and all(torch.equal(a, b) for a, b in zip(plain[1], monitored[1]))
+    assert {k: stats[k] for k in plain_stats if not k.endswith("time_s")} == \
+        {k: v for k, v in plain_stats.items() if not k.endswith("time_s")}
+    assert stats["monitor_forwards"] > 0 and stats["monitor_backwards"] > 0 and stats["monitor_time_s"] > 0
+
+    rewards, all_latents, all_log_probs, _, _ = box["result"]
+    torch.set_rng_state(box["rng"])
+    steps = torch.stack([torch.randperm(7) for _ in range(B)])[:, :6]
+    r = rewards.float().reshape(-1, B)
+    advantages = ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-8)).reshape(-1)
+    ctx = dataclasses.replace(project_context(make_args, "flux", standin.transformer), step=1)
+    standin.transformer.load_state_dict(standin.initial)
+    standin.transformer.zero_grad(set_to_none=True)
+    update = make_policy_update(3, 1.0, "jagg", "timestep", "split", "trained", reuse="off", monitor_every=1,
+                                monitor_samples=1)
+    project = trainer.accumulate_policy_gradient(ctx, trainer.Rollout(all_latents, all_log_probs, [], rewards),
+                                                 project_cond("flux", standin.batch), advantages, torch.arange(B),
+                                                 steps, GA * 6, update).metrics
+    measured = sorted(k for k in project if "/g" in k)
+    assert len(measured) == 8 and measured == sorted(k for k in stats if "/g" in k)
+    for key in measured:
+        assert stats[key] == pytest.approx(project[key], rel=1e-10, abs=1e-12), key
+    assert all(stats[f"jagg_relerr/g{p}"] > 1e-6 for p in range(2))   # W 3: JAGG is not exact here
+
+
+@pytest.mark.parametrize("min_cos, fixed", [(-1.0, dict(jagg_frac=1.0)), (1.0, dict(mode="exact"))])
+def test_auto_under_the_adapter_routes_by_the_threshold(cache_dir, tmp_path, min_cos, fixed):
+    """--jagg_frac auto on the adapter: a threshold every cosine reaches routes both positions to JAGG,
+    one none reaches (1.0; measured ~0.99) routes none; the step is the fixed configuration's, bit for bit."""
+    standin = Standin("flux", cache_dir, tmp_path, "--timestep_fraction", 0.9)
+    config = dict(window=3, reuse="off", backward="split")
+    try:
+        apply(standin.module, **config, jagg_frac="auto", monitor_every=1, min_cos=min_cos)
+        auto = standin.step()
+        stats = standin.module.train_one_step.last_stats
+        apply(standin.module, **{**config, "jagg_frac": 1.0, **fixed})
+        reference = standin.step()
+    finally:
+        revert(standin.module)
+    assert stats["jagg_routed"] == (0b11 if min_cos < 0 else 0)
+    assert all(torch.equal(a, b) for a, b in zip(auto[1], reference[1])) and torch.equal(auto[3], reference[3])
 
 
 def test_a_rollout_that_does_not_match_its_latents_is_not_reused():
