@@ -9,7 +9,12 @@
 Modes: vanilla (dancegrpo's own seams), jagg (joint backward), jagg_split (split backward),
 jagg_batched (both endpoints in one forward), each also with _reuse (--jagg_reuse_rollout
 on_policy: the first GA samples take their middle members' outputs from the rollout), exact
-(per-step backward of the same groups) and endpoints (the ablation, joint backward). The JAGG
+(per-step backward of the same groups) and endpoints (the ablation, joint backward). A JAGG mode
+with _auto (jagg_auto, jagg_split_reuse_auto, ...) is --jagg_frac auto with the live fidelity
+monitor measuring in every timed run (each run is a new training step to it, so the monitor's
+passes are in every timing): its time splits into the monitor's (monitor_time_s) and the routed
+update's, and its step ratio at the run's cadence, one measurement every --jagg_monitor_every steps
+(10 when not given, as auto's default), is the routed update plus 1/N of the measurement. The JAGG
 modes share --jagg_window / --jagg_frac / --jagg_alpha / --jagg_grouping; with the window grouping
 they train the windows that grouping draws (vanilla keeps its own random subset). The checks are
 made on the mode the configured --jagg_backward / --jagg_reuse_rollout run (the headline).
@@ -47,7 +52,7 @@ import time
 
 import torch
 
-from ..cli import check_trajectory, trainer_cli
+from ..cli import AUTO_MONITOR_EVERY, check_trajectory, trainer_cli
 from .comm_count import count_fsdp_collectives
 from ..core import resolve_backward
 from ..plan import Group
@@ -74,6 +79,25 @@ JAGG_VARIANTS = {"jagg": ("jagg", "joint", "off"), "jagg_split": ("jagg", "split
                  "jagg_reuse": ("jagg", "joint", "on_policy"), "jagg_split_reuse": ("jagg", "split", "on_policy"),
                  "jagg_batched_reuse": ("jagg", "batched", "on_policy"),
                  "exact": ("exact", "joint", "off"), "endpoints": ("endpoints", "joint", "off")}
+AUTO_SUFFIX = "_auto"   # a JAGG mode routed by --jagg_frac auto, its monitor measuring in every timed run
+
+
+def _variant(mode):
+    """(JAGG mode, backward form, rollout reuse, auto) of a bench mode other than vanilla; None if unknown."""
+    base, auto = (mode[:-len(AUTO_SUFFIX)], True) if mode.endswith(AUTO_SUFFIX) else (mode, False)
+    if base not in JAGG_VARIANTS or (auto and JAGG_VARIANTS[base][0] != "jagg"):
+        return None
+    return (*JAGG_VARIANTS[base], auto)
+
+
+def _make_update(args, mode):
+    jagg_mode, backward, reuse, auto = _variant(mode)
+    if not auto:
+        return make_policy_update(args.jagg_window, args.jagg_frac, jagg_mode, args.jagg_alpha, backward,
+                                  args.jagg_grouping, reuse)
+    return make_policy_update(args.jagg_window, "auto", jagg_mode, args.jagg_alpha, backward, args.jagg_grouping,
+                              reuse, monitor_every=1, monitor_samples=args.jagg_monitor_samples,
+                              min_cos=args.jagg_min_cos)
 
 
 def _sync(device):
@@ -189,9 +213,10 @@ def run_benchmark(module, args):
     from dancegrpo.algo.grpo import policy_update as vanilla_update
     from dancegrpo.utils.activation_meter import ActivationMeter
     modes = [m.strip() for m in args.bench_modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in ALL_MODES]
+    bad = [m for m in modes if m != "vanilla" and _variant(m) is None]
     if bad or "vanilla" not in modes:
-        raise SystemExit(f"error: --bench_modes must include vanilla and come from {ALL_MODES}, got {modes}")
+        raise SystemExit(f"error: --bench_modes must include vanilla and come from {ALL_MODES} (a JAGG mode may "
+                         f"end in {AUTO_SUFFIX}), got {modes}")
     ctx = trainer.setup(args, module.FAMILY(args))
     prepared = trainer.prepare_update(ctx, keep_outputs=True, step=1)   # the rollout is also the warm-up
     cond, captions, rollout, advantages = prepared.cond, prepared.captions, prepared.rollout, prepared.advantages
@@ -207,36 +232,40 @@ def run_benchmark(module, args):
     selections = _selections(ctx, args, prepared)
     all_idx = torch.arange(num_samples, device=ctx.device)
     ctx.transformer.train()
-    updates = {"vanilla": vanilla_update}
-    for mode in modes:
-        if mode != "vanilla":
-            jagg_mode, backward, reuse = JAGG_VARIANTS[mode]
-            updates[mode] = make_policy_update(args.jagg_window, args.jagg_frac, jagg_mode, args.jagg_alpha, backward,
-                                               args.jagg_grouping, reuse)
+    updates = {mode: vanilla_update if mode == "vanilla" else _make_update(args, mode) for mode in modes}
+    auto_modes = [m for m in modes if m != "vanilla" and _variant(m)[3]]
 
     def run_update(mode):
         """Every sample's gradient, in GA blocks as training runs them: only the first block is
-        on-policy (no optimizer step is taken here, so the parameters stay the rollout's)."""
+        on-policy (no optimizer step is taken here, so the parameters stay the rollout's). Returns
+        the seconds the monitor took (an auto mode's run is a new step to it: it measures)."""
         sel = selections["vanilla" if mode == "vanilla" else "jagg"]
         ga = args.gradient_accumulation_steps
+        if mode in auto_modes:
+            ctx.step += 1
+        monitor_s = 0.0
         for block in range(0, num_samples, ga):
-            trainer.accumulate_policy_gradient(ctx, rollout, cond, advantages, all_idx[block:block + ga],
-                                               sel.steps.to(ctx.device), ga * sel.num_train, updates[mode],
-                                               on_policy=block == 0)
+            stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, advantages, all_idx[block:block + ga],
+                                                       sel.steps.to(ctx.device), ga * sel.num_train, updates[mode],
+                                                       on_policy=block == 0)
+            monitor_s += stats.metrics.get("monitor_time_s", 0.0)
+        return monitor_s
 
     vanilla_steps = selections["vanilla"].steps.to(ctx.device)
     idx0 = all_idx[:args.update_batch_size]
     unit = UnitCosts(ctx, trainer.make_update_batch(ctx, rollout, cond, advantages, idx0, vanilla_steps[idx0], 1),
                      vanilla_steps[idx0, 0], vanilla_steps[idx0, -1])
-    times = {m: [] for m in modes}
+    times, monitor_times = {m: [] for m in modes}, {m: [] for m in auto_modes}
     for rep in range(args.bench_reps + 1):  # rep 0 is warm-up, not recorded
         order = modes[rep % len(modes):] + modes[:rep % len(modes)]
         for mode in order:
             ctx.transformer.zero_grad(set_to_none=True)
             with Timer(ctx.device) as t:
-                run_update(mode)
+                monitor_s = run_update(mode)
             if rep > 0:
                 times[mode].append(t.seconds)
+                if mode in auto_modes:
+                    monitor_times[mode].append(monitor_s)
         unit.round(args.bench_unit_reps, record=rep > 0)
         if rep > 0:
             for _ in range(args.bench_rollout_reps):
@@ -257,7 +286,7 @@ def run_benchmark(module, args):
     rollout_s = statistics.median(rollout_times)
     med = {m: statistics.median(ts) for m, ts in times.items()}
     predicted = {m: _predicted(args, selections["vanilla" if m == "vanilla" else "jagg"], num_transitions, m, units)
-                 for m in modes}
+                 for m in modes if m not in auto_modes}
     authors = {m: _predicted(args, selections["jagg"], num_transitions, m, units, "authors")
                for m in modes if m in ("jagg", "jagg_split", "endpoints")}
     family = ctx.family.name
@@ -278,8 +307,13 @@ def run_benchmark(module, args):
         update_median_s=med, update_times_s=times, predicted_update_s=predicted,
         predicted_update_s_authors_schedule=authors, activation_peak_mb=peaks, fsdp_collectives=collectives,
         headline=headline, paper_step_gain=paper_step_gain, targets=targets,
-        sde_window_size=getattr(args, "sde_window_size", 0), modes={})
+        sde_window_size=getattr(args, "sde_window_size", 0), modes={},
+        monitor_every=args.jagg_monitor_every or AUTO_MONITOR_EVERY, monitor_times_s=monitor_times)
     for mode in modes:
+        if mode in auto_modes:
+            result["modes"][mode] = _auto_summary(updates[mode].routing, times[mode], monitor_times[mode], rollout_s,
+                                                  med["vanilla"], result["monitor_every"], peaks[mode])
+            continue
         result["modes"][mode] = dict(update_s=med[mode], update_gain=gain(med[mode], med["vanilla"]),
                                      update_ratio=med["vanilla"] / med[mode], step_s=rollout_s + med[mode],
                                      step_gain=gain(rollout_s + med[mode], rollout_s + med["vanilla"]),
@@ -293,6 +327,21 @@ def run_benchmark(module, args):
             row, num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping)) / args.update_batch_size
         result.update(_checks(result, headline, joint_calls))
     return result
+
+
+def _auto_summary(routing, times, monitor_times, rollout_s, vanilla_s, every, peak_mb):
+    """An auto mode's numbers: its timed runs measured in full; the routed update is each run less
+    its monitor's seconds, and the step at the run's cadence adds 1/every of the measurement."""
+    update_s = statistics.median(times)
+    monitor_s = statistics.median(monitor_times)
+    routed_s = statistics.median([t - m for t, m in zip(times, monitor_times)])
+    cadence_s = routed_s + monitor_s / every
+    return dict(update_s=update_s, update_gain=gain(update_s, vanilla_s), update_ratio=vanilla_s / update_s,
+                step_s=rollout_s + update_s, step_gain=gain(rollout_s + update_s, rollout_s + vanilla_s),
+                predicted_update_s=None, activation_peak_mb=peak_mb, monitor_s=monitor_s, routed_update_s=routed_s,
+                cadence_step_s=rollout_s + cadence_s,
+                cadence_step_ratio=(rollout_s + cadence_s) / (rollout_s + vanilla_s),
+                routed=sorted(routing.routed), smoothed_cos={p: routing.smoothed[p] for p in sorted(routing.smoothed)})
 
 
 def headline_mode(args, modes, world_size):
@@ -342,6 +391,23 @@ def _collective_lines(r):
     return lines
 
 
+def _auto_lines(r):
+    autos = {mode: m for mode, m in r["modes"].items() if "monitor_s" in m}
+    if not autos:
+        return []
+    vanilla_step = r["modes"]["vanilla"]["step_s"]
+    lines = ["", f"--jagg_frac auto (the _auto modes): every timed run above measured (the monitor at every step); "
+             f"at one measurement every {r['monitor_every']} steps a step costs the routed update plus "
+             f"1/{r['monitor_every']} of the monitor:", "",
+             "| mode | monitor s | routed update s | step s at that cadence | step / vanilla's | positions routed "
+             "to JAGG (smoothed cos) |", "|---|---|---|---|---|---|"]
+    for mode, m in autos.items():
+        cos = ", ".join(f"g{p} {c:.3f}" for p, c in m["smoothed_cos"].items())
+        lines.append(f"| {mode} | {m['monitor_s']:.3f} | {m['routed_update_s']:.3f} | {m['cadence_step_s']:.3f} | "
+                     f"{m['cadence_step_ratio']:.2f} (vanilla {vanilla_step:.3f} s) | {m['routed']} ({cos}) |")
+    return lines
+
+
 def format_report(r):
     u = r["unit_costs_s"]
     plan = ", ".join(f"{g['size']}{'J' if g['jagg'] else 'E'}" for g in r["plan"])
@@ -367,7 +433,8 @@ def format_report(r):
     ]
     for mode, m in r["modes"].items():
         authors = r["predicted_update_s_authors_schedule"].get(mode)
-        lines.append(f"| {mode} | {m['update_s']:.3f} | {m['predicted_update_s']:.3f} | "
+        predicted = "-" if m["predicted_update_s"] is None else f"{m['predicted_update_s']:.3f}"
+        lines.append(f"| {mode} | {m['update_s']:.3f} | {predicted} | "
                      f"{'-' if authors is None else f'{authors:.3f}'} | {100 * m['update_gain']:+.1f}% | "
                      f"{m['update_ratio']:.2f}x | {m['step_s']:.3f} | {100 * m['step_gain']:+.1f}% | "
                      f"{m['activation_peak_mb']:.2f} |")
@@ -375,6 +442,7 @@ def format_report(r):
               "for on-policy samples) from the unit costs; authors' schedule: the same groups with every member "
               "forwarded without grad first (w F_ng + 2 F_g + 2 B per JAGG group). Activation peak: tensors saved "
               "for backward (dancegrpo.utils.activation_meter.ActivationMeter)."]
+    lines += _auto_lines(r)
     lines += _collective_lines(r)
     h = r.get("headline")
     if h is None:
@@ -421,6 +489,9 @@ def main(argv=None):
     g.add_argument("--bench_json", default=None, help="Write the raw numbers here (JSON).")
     g.add_argument("--bench_md", default=None, help="Write the report here (markdown).")
     args = parse_args(parser, rest)
+    if args.jagg_frac == "auto":
+        raise SystemExit("error: jagg_patch.tools.bench_update times the modes at a fixed --jagg_frac; time "
+                         "--jagg_frac auto with a mode ending in _auto (--bench_modes vanilla,jagg_split_reuse_auto)")
     check_trajectory(args)
     result = exit_on_config_error(run_benchmark)(module, args)
     if int(os.environ.get("RANK", "0")) != 0:
