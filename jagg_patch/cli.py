@@ -155,8 +155,11 @@ def check_trajectory(args):
              "or raise --sampling_steps")
 
 
-def jagg_plan_text(args):
-    """The plan for the configured S, timestep_fraction, grouping, window and jagg_frac."""
+def jagg_plan_text(args, output_bytes=None):
+    """The plan for the configured S, timestep_fraction, grouping, window and jagg_frac.
+    output_bytes(args): the bytes per sample of the kept rollout outputs (default: an image model's,
+    rollout_output_bytes), or None where the flags alone do not size them."""
+    output_bytes = rollout_output_bytes if output_bytes is None else output_bytes
     from dancegrpo.algo.grpo import num_train_timesteps
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
     window = getattr(args, "sde_window_size", 0)
@@ -176,7 +179,7 @@ def jagg_plan_text(args):
         return "\n".join([head + f"{trained}; positions 0..{n_vanilla - 1} of that order:",
                           *describe_plan(groups, args.jagg_mode, backward), *auto_text(args),
                           f"  per sample: {backwards} transformer backwards instead of {n_vanilla}",
-                          reuse_plan_text(args, middles)])
+                          reuse_plan_text(args, middles, output_bytes)])
     windows = plan_windows(num_transitions, args.jagg_window, _plan_fraction(args))
     n_train = num_trained_windows(len(windows), args.timestep_fraction)
     costs = sorted(group_cost(g, args.jagg_mode)[2] for g in windows)
@@ -190,7 +193,7 @@ def jagg_plan_text(args):
                       f"{n_train * num_transitions / len(windows):g} with the exact backward of the same windows "
                       f"(vanilla trains {n_vanilla} transitions)",
                       reuse_plan_text(args, n_train * sum(group_cost(g, args.jagg_mode)[1] for g in windows)
-                                      / len(windows))])
+                                      / len(windows), output_bytes)])
 
 
 def _plan_fraction(args):
@@ -211,15 +214,17 @@ def rollout_output_bytes(args):
     return args.sampling_steps * (args.h // 16) * (args.w // 16) * 64 * 4
 
 
-def reuse_plan_text(args, middles_per_sample):
+def reuse_plan_text(args, middles_per_sample, output_bytes=rollout_output_bytes):
     """What --jagg_reuse_rollout saves per sample and costs per rank, with the configured GA."""
     if args.jagg_reuse_rollout == "off" or middles_per_sample == 0:
         return f"  rollout reuse {args.jagg_reuse_rollout}: every middle member is forwarded without grad"
     per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
     reused = per_rank if args.jagg_reuse_rollout == "always" else min(args.gradient_accumulation_steps, per_rank)
-    mib = rollout_output_bytes(args) / 2 ** 20
+    size = output_bytes(args)
+    kept = ("keeps S model outputs per sample (their size is the model's output, not set by the flags alone)"
+            if size is None else f"keeps {size / 2 ** 20:.2f} MiB per sample in float32, "
+                                 f"{size / 2 ** 20 * per_rank:.1f} MiB per rank at {args.h}x{args.w}")
     return (f"  rollout reuse {args.jagg_reuse_rollout}: {middles_per_sample:g} no-grad forwards per sample taken "
             f"from the rollout for {reused} of the {per_rank} samples per rank (GA "
             f"{args.gradient_accumulation_steps}{'; after the first optimizer step the outputs are stale' if args.jagg_reuse_rollout == 'always' and reused > args.gradient_accumulation_steps else ''}), "
-            f"{middles_per_sample * reused / per_rank:g} per sample on average; keeps {mib:.2f} MiB per sample in "
-            f"float32, {mib * per_rank:.1f} MiB per rank at {args.h}x{args.w}")
+            f"{middles_per_sample * reused / per_rank:g} per sample on average; {kept}")

@@ -8,6 +8,7 @@ silently training vanilla. Rebasing onto a new upstream release is a run of
 """
 import importlib
 import inspect
+from dataclasses import dataclass
 
 # (module attribute, its expected parameter names). `policy_update` is replaced at
 # run time, and `select_train_steps` too under the window grouping; `build_parser` and
@@ -123,10 +124,11 @@ def check_uses():
 
 # ---------------------------------------------------------------- upstream DanceGRPO checkouts
 # What jagg_patch.upstream relies on in an unmodified upstream trainer file, per trainer family, as of
-# upstream commit UPSTREAM_COMMIT: `train_one_step` is replaced by a function with the same parameters,
-# `sample_reference_model`, `grpo_one_step` and `gather_tensor` are called, and `flux_step` is what
-# grpo_one_step runs on the stand-in transformer output. The family is told by train_one_step's
-# parameters (`loader` for Flux, `prompt_embeds` for Qwen-Image; the LoRA trainer has no ema_handler).
+# upstream commit UPSTREAM_COMMIT and in every release since open-sourcing (UPSTREAM_RELEASES):
+# `train_one_step` is replaced by a function with the same parameters; `sample_reference_model`,
+# `grpo_one_step` and `gather_tensor` are called; `flux_step` is what grpo_one_step runs on the
+# stand-in transformer output (listed where the references name it). The family is told by
+# train_one_step's parameters (UPSTREAM_FAMILY_PARAMETERS, the most specific first).
 UPSTREAM_COMMIT = "15cc71d"
 _FLUX_STEP = ("model_output", "latents", "eta", "sigmas", "index", "prev_sample", "grpo", "sde_solver")
 _FLUX_TRAIN = ("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer", "lr_scheduler",
@@ -135,35 +137,83 @@ _FLUX_SAMPLE = ("args", "device", "transformer", "vae", "encoder_hidden_states",
                 "reward_model", "tokenizer", "caption", "preprocess_val")
 _FLUX_GRPO = ("args", "latents", "pre_latents", "encoder_hidden_states", "pooled_prompt_embeds", "text_ids",
               "image_ids", "transformer", "timesteps", "i", "sigma_schedule")
+_QWEN_TRAIN = ("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer", "lr_scheduler",
+               "prompt_embeds", "prompt_attention_masks", "caption", "original_length", "noise_scheduler",
+               "max_grad_norm", "preprocess_val", "ema_handler")
+_QWEN_SAMPLE = ("args", "device", "transformer", "vae", "encoder_hidden_states", "prompt_attention_masks",
+                "original_length", "reward_model", "tokenizer", "caption", "preprocess_val")
+_QWEN_GRPO = ("args", "latents", "pre_latents", "encoder_hidden_states", "prompt_attention_masks", "txt_seq_lens",
+              "img_shapes", "transformer", "timesteps", "i", "sigma_schedule")
+_EDIT_INPUTS = ("calculated_height", "calculated_width", "image_latents")
+# train_one_step's parameter lists as the family's releases have them, newest first (Flux before
+# 2145e4f, and the LoRA trainer: without ema_handler).
+UPSTREAM_TRAIN_ONE_STEP = {
+    "flux": (_FLUX_TRAIN, _FLUX_TRAIN[:-1]),
+    "qwenimage": (_QWEN_TRAIN,),
+    "qwenimage_edit": (_QWEN_TRAIN[:12] + _EDIT_INPUTS + _QWEN_TRAIN[12:],),
+    "wan": (("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer", "lr_scheduler",
+             "encoder_hidden_states", "negative_prompt_embeds", "caption", "noise_scheduler", "max_grad_norm",
+             "preprocess_val"),),
+}
+# The parameters that tell a family's train_one_step apart, tested in this order (Qwen-Image-Edit's
+# has every parameter of Qwen-Image's).
+UPSTREAM_FAMILY_PARAMETERS = (("qwenimage_edit", ("prompt_embeds", "image_latents")),
+                              ("qwenimage", ("prompt_embeds",)),
+                              ("wan", ("negative_prompt_embeds",)),
+                              ("flux", ("loader",)))
 UPSTREAM_SEAMS = {
-    "flux": {"train_one_step": _FLUX_TRAIN, "sample_reference_model": _FLUX_SAMPLE, "grpo_one_step": _FLUX_GRPO,
-             "flux_step": _FLUX_STEP},
-    "flux_lora": {"train_one_step": _FLUX_TRAIN[:-1], "sample_reference_model": _FLUX_SAMPLE,
-                  "grpo_one_step": _FLUX_GRPO, "flux_step": _FLUX_STEP},
-    "qwenimage": {
-        "train_one_step": ("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer",
-                           "lr_scheduler", "prompt_embeds", "prompt_attention_masks", "caption", "original_length",
-                           "noise_scheduler", "max_grad_norm", "preprocess_val", "ema_handler"),
-        # The references give this list only as "(...)": it is the Flux one with the mask in place of
-        # the pooled embedding and text ids. The adapter passes arguments by name, so a differing list
-        # still runs under --jagg_allow_upstream_changes when its names are ones the adapter knows.
-        "sample_reference_model": ("args", "device", "transformer", "vae", "encoder_hidden_states",
-                                   "prompt_attention_masks", "reward_model", "tokenizer", "caption",
-                                   "preprocess_val"),
-        "grpo_one_step": ("args", "latents", "pre_latents", "encoder_hidden_states", "prompt_attention_masks",
-                          "txt_seq_lens", "img_shapes", "transformer", "timesteps", "i", "sigma_schedule"),
-        "flux_step": _FLUX_STEP},
+    "flux": {"sample_reference_model": _FLUX_SAMPLE, "grpo_one_step": _FLUX_GRPO, "flux_step": _FLUX_STEP},
+    "qwenimage": {"sample_reference_model": _QWEN_SAMPLE, "grpo_one_step": _QWEN_GRPO, "flux_step": _FLUX_STEP},
+    "qwenimage_edit": {"sample_reference_model": _QWEN_SAMPLE[:7] + _EDIT_INPUTS + _QWEN_SAMPLE[7:],
+                       "grpo_one_step": _QWEN_GRPO[:7] + ("image_latents",) + _QWEN_GRPO[7:],
+                       "flux_step": _FLUX_STEP},
+    "wan": {"sample_reference_model": ("args", "device", "transformer", "vae", "encoder_hidden_states",
+                                       "negative_prompt_embeds", "reward_model", "tokenizer", "caption",
+                                       "preprocess_val"),
+            "grpo_one_step": ("args", "latents", "pre_latents", "encoder_hidden_states", "negative_prompt_embeds",
+                              "transformer", "timesteps", "i", "sigma_schedule")},
 }
 # Functions called by the adapter whose parameter names it does not rely on (one positional argument).
 UPSTREAM_CALLED = ("gather_tensor",)
-# sample_reference_model returns (rewards, all_latents, all_log_probs, sigma_schedule, Flux: all_image_ids |
-# Qwen-Image: all_txt_seq_lens).
-UPSTREAM_ROLLOUT_VALUES = 5
-# Hash of the normalised source (jagg_patch.upstream.fingerprint.source_hash) of each function the adapter
-# RESTATES, at UPSTREAM_COMMIT. None: not recorded in this release (upstream's code could not be read where
-# the adapter was written); record it with `python -m jagg_patch.upstream --jagg_fingerprint FILE`.
-UPSTREAM_SOURCE_HASHES = {
-    ("flux", "train_one_step"): None,
-    ("flux_lora", "train_one_step"): None,
-    ("qwenimage", "train_one_step"): None,
+# The values sample_reference_model returns: (rewards, all_latents, all_log_probs, sigma_schedule, then
+# Flux: all_image_ids | Qwen-Image: all_txt_seq_lens | Qwen-Image-Edit: all_txt_seq_lens, all_image_latents |
+# Wan: nothing more).
+UPSTREAM_ROLLOUT_VALUES = {"flux": 5, "qwenimage": 5, "qwenimage_edit": 6, "wan": 4}
+# Upstream's trainer files: those the adapter runs, and those it refuses (other shapes).
+UPSTREAM_TRAINER_FILES = {"train_grpo_flux.py": "flux", "train_grpo_flux_lora.py": "flux",
+                          "train_grpo_qwenimage.py": "qwenimage", "train_grpo_qwenimage_edit.py": "qwenimage_edit",
+                          "train_grpo_wan_2_1.py": "wan"}
+UPSTREAM_UNSUPPORTED_FILES = {
+    "train_grpo_hunyuan.py": "HunyuanVideo (fastvideo's own model code, a VideoAlign reward)",
+    "train_grpo_skyreels_i2v.py": "SkyReels image-to-video (fastvideo's own model code, a VideoAlign reward)",
+    "train_grpo_sd.py": "Stable Diffusion (a DDIM trainer without flux_step)",
 }
+
+
+@dataclass(frozen=True)
+class UpstreamRelease:
+    """One known source of upstream's train_one_step: its token hash (jagg_patch.upstream.tokenhash),
+    family, the files and commits that have it, its parameter list and the reward file it appends to."""
+    token_hash: str
+    family: str
+    commits: str
+    parameters: tuple
+    reward_file: str
+
+
+# Every release of train_one_step since open-sourcing, newest first within a family. A file whose
+# train_one_step hashes to none of these runs with a warning naming the nearest of its family.
+UPSTREAM_RELEASES = (
+    UpstreamRelease("ac4b353cdcc7f665", "flux", "train_grpo_flux.py 2145e4f .. 15cc71d", _FLUX_TRAIN,
+                    "./reward.txt"),
+    UpstreamRelease("289a6c265fedb7c7", "flux", "train_grpo_flux.py bbf5278, train_grpo_flux_lora.py ff7bee1 .. "
+                    "15cc71d", _FLUX_TRAIN[:-1], "./reward.txt"),
+    UpstreamRelease("c7a2fcac1dc57e74", "flux", "train_grpo_flux.py 93ec253 .. 2af04bd", _FLUX_TRAIN[:-1],
+                    "./hps_reward.txt"),
+    UpstreamRelease("465f923956336644", "qwenimage", "train_grpo_qwenimage.py 9679174 .. 15cc71d", _QWEN_TRAIN,
+                    "./reward.txt"),
+    UpstreamRelease("ff2ee0b57cf90003", "qwenimage_edit", "train_grpo_qwenimage_edit.py 46f02b8 .. 15cc71d",
+                    UPSTREAM_TRAIN_ONE_STEP["qwenimage_edit"][0], "./reward.txt"),
+    UpstreamRelease("127e437113921902", "wan", "train_grpo_wan_2_1.py 2d3371a .. 15cc71d",
+                    UPSTREAM_TRAIN_ONE_STEP["wan"][0], "./reward.txt"),
+)

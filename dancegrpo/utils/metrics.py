@@ -21,16 +21,19 @@ class PassCounter:
     A forward of a batch of m samples counts m. `backwards` counts the forward
     instances whose output received a gradient, i.e. whose graph was
     backpropagated (a JAGG group counts 2 per sample, its two endpoints).
+    rows_per_sample: the batch rows one sample takes in a call (2 where a classifier-free-guided
+    call stacks each sample's conditional and unconditional rows); such a call counts once per sample.
     """
 
-    def __init__(self, module):
+    def __init__(self, module, rows_per_sample=1):
         self.reset()
         self._apart = False
+        self._rows = rows_per_sample
         self._handle = module.register_forward_hook(self._on_forward)
 
     def _on_forward(self, module, inputs, output):
         out = first_tensor(output)
-        n = out.shape[0] if out is not None and out.ndim > 0 else 1
+        n = max(1, out.shape[0] // self._rows) if out is not None and out.ndim > 0 else 1
         if self._apart:
             self.monitor_forwards += n
             if torch.is_grad_enabled() and out is not None and out.requires_grad:

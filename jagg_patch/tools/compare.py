@@ -3,8 +3,14 @@
     python -m jagg_patch.tools.compare RUN_DIR [RUN_DIR ...] [--labels vanilla,jagg,...] [--out DIR]
                                  [--ma_window 10] [--skip_first 1] [--no_plots]
 
-Each RUN_DIR is a trainer --output_dir holding metrics.jsonl (one JSON line per step). The
-first run is the reference. Printed, one row per run:
+Each RUN_DIR is one of (the first run is the reference):
+- this trainer's --output_dir, holding metrics.jsonl (one JSON line per step);
+- the --output_dir of an upstream DanceGRPO run through `python -m jagg_patch.upstream`, holding
+  jagg_metrics.jsonl (its last run, by run_id, when several were written there): times, counts and
+  the gathered reward; run with `--jagg_mode exact` it is upstream's own step, the vanilla side;
+- a plain upstream run's reward file (./reward.txt, or ./hps_reward.txt before bbf5278; line k is
+  step k's mean reward), or a folder holding one: its reward curve, no times or counts.
+Printed, one row per run:
 
 - steps: distinct steps in metrics.jsonl (a step logged twice, e.g. after a resume, counts once:
   the last record wins);
@@ -51,15 +57,60 @@ class CompareError(Exception):
     """Bad input; the message says what is wrong."""
 
 
+METRICS_FILES = ("metrics.jsonl", "jagg_metrics.jsonl")   # this trainer's | jagg_patch.upstream's
+REWARD_FILES = ("reward.txt", "hps_reward.txt")          # a plain upstream run's
+
+
 def load_metrics(run_dir, warn=warn):
-    """The run's records, one per step in step order (the last record of a step wins)."""
+    """The run's records, one per step in step order (the last record of a step wins): from a
+    metrics file, or a reward file (rewards only)."""
+    if os.path.isfile(run_dir) and os.path.basename(run_dir).endswith("reward.txt"):
+        return load_reward_file(run_dir)
     if not os.path.isdir(run_dir):
         raise CompareError(f"run folder {run_dir!r} does not exist")
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(path):
-        raise CompareError(f"{path!r} not found: {run_dir!r} is not a training output folder "
-                           "(the trainer writes metrics.jsonl into its --output_dir)")
-    by_step = {}
+    found = [os.path.join(run_dir, name) for name in METRICS_FILES + REWARD_FILES
+             if os.path.isfile(os.path.join(run_dir, name))]
+    if not found:
+        raise CompareError(f"{run_dir!r} holds none of metrics.jsonl (this trainer's --output_dir), "
+                           "jagg_metrics.jsonl (jagg_patch.upstream's) or reward.txt (a plain upstream run's)")
+    if found[0].endswith("reward.txt"):
+        return load_reward_file(found[0])
+    records = read_json_lines(found[0], warn)
+    if os.path.basename(found[0]) == "jagg_metrics.jsonl":
+        records = last_run(records, found[0], warn)
+    by_step = {record["step"]: record for record in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def last_run(records, path, warn=warn):
+    """The records of the last run (run_id) written to an adapter's jagg_metrics.jsonl; the file keeps
+    every run started in that --output_dir."""
+    runs = list(dict.fromkeys(r.get("run_id") for r in records))
+    if len(runs) > 1:
+        warn(f"{path} holds {len(runs)} runs; comparing the last one (run_id {runs[-1]})")
+    return [r for r in records if r.get("run_id") == runs[-1]]
+
+
+def load_reward_file(path):
+    """A plain upstream run's reward file: line k is step k's mean reward (upstream appends to it, so a
+    file of several runs reads as one long run)."""
+    rewards = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rewards.append(float(line))
+            except ValueError:
+                raise CompareError(f"{path}:{lineno}: not a reward (upstream writes one number per line)") from None
+    if not rewards:
+        raise CompareError(f"{path!r} holds no rewards (did the run finish its first step?)")
+    return [{"step": k, "reward_mean": r} for k, r in enumerate(rewards, 1)]
+
+
+def read_json_lines(path, warn=warn):
+    """The records of a metrics file, in file order; a torn last line is warned about and left out."""
+    records = []
     with open(path) as f:
         lines = f.read().split("\n")
     torn = len(lines) - 1 if lines[-1].strip() else -1  # a last line without its newline: cut off mid-write
@@ -75,10 +126,10 @@ def load_metrics(run_dir, warn=warn):
             raise CompareError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
         if not isinstance(record, dict) or "step" not in record:
             raise CompareError(f"{path}:{lineno}: a metrics record needs a 'step' field")
-        by_step[record["step"]] = record
-    if not by_step:
+        records.append(record)
+    if not records:
         raise CompareError(f"{path!r} holds no steps (did the run finish its first step?)")
-    return [by_step[s] for s in sorted(by_step)]
+    return records
 
 
 def _median(records, field):
@@ -143,7 +194,9 @@ def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
         row, rewards, ma = summarize(label, records, ma_window, skip_first)
         if row["nonfinite"]:
             warn(f"run {label!r} has non-finite values ({row['nonfinite']}): it diverged; its reward is not ranked")
-        if row["timed_steps"] < MIN_TIMED_STEPS:
+        if not any("step_time_s" in r for r in records):
+            warn(f"run {label!r} is a reward file: its reward curve only, no times or counts")
+        elif row["timed_steps"] < MIN_TIMED_STEPS:
             warn(f"run {label!r} has {row['timed_steps']} timed step(s) after the warm-up: too few for a timing "
                  f"claim (want >= {MIN_TIMED_STEPS})")
         row["run_dir"] = run_dir

@@ -1,7 +1,8 @@
 """python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
 
 Runs an upstream DanceGRPO trainer file (fastvideo/train_grpo_flux.py, train_grpo_flux_lora.py,
-train_grpo_qwenimage.py) with its train_one_step replaced by JAGG. Works the same under torchrun.
+train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py) with its train_one_step
+replaced by JAGG. Works the same under torchrun.
 """
 import argparse
 import os
@@ -10,17 +11,19 @@ import sys
 from ..cli import add_jagg_args, check_trajectory, fail, jagg_kwargs, jagg_plan_text, monitor_for_auto
 from ..core import validate_jagg_config
 from .families import FAMILIES
-from .fingerprint import UpstreamChanged, fingerprint
+from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint
 from .loader import load_trainer, run_main_block
 from .patch import apply
-from .step import NEEDS_GROUP
+from .step import needs_group
 
 USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
        torchrun --nproc_per_node=N -m jagg_patch.upstream [--jagg_* flags] fastvideo/train_grpo_flux.py ...
        python -m jagg_patch.upstream --jagg_fingerprint TRAINER.py
 
-Run an unmodified upstream DanceGRPO trainer with its train_one_step replaced by JAGG; its own
-flags follow the file, unchanged. JAGG flags (removed before upstream's parser sees the argv):
+Run an unmodified upstream DanceGRPO trainer (train_grpo_flux.py, train_grpo_flux_lora.py,
+train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py; any release) with its
+train_one_step replaced by JAGG; its own flags follow the file, unchanged. JAGG flags (removed
+before upstream's parser sees the argv):
   --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
   --jagg_alpha timestep|index  --jagg_grouping trained|window
   --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
@@ -28,7 +31,8 @@ flags follow the file, unchanged. JAGG flags (removed before upstream's parser s
   --jagg_monitor_every N (0: off)  --jagg_min_cos C (0.8)   the live fidelity monitor and --jagg_frac auto;
       upstream's micro-batch is one sample: the monitor measures each rank's first sample of the step
   --jagg_allow_upstream_changes   run although the file differs from what the adapter relies on
-  --jagg_fingerprint               print the file's fingerprint (family, parameters, source hash), exit
+  --jagg_fingerprint               print the file's fingerprint (family, parameters, token hash, known
+                                   release), exit
 --jagg_mode exact reproduces upstream's own step (same gradients, returns and RNG draws).
 """
 
@@ -71,11 +75,22 @@ def _take_jagg_flags(parser, args):
     return jagg, others
 
 
-def preflight(upstream_args, jagg, family):
-    """The checks that need upstream's parsed flags, before upstream's main loads anything; then the plan."""
+# The flags of upstream's parser that the restated step and the plan read.
+READ_FLAGS = ("use_group", "num_generations", "train_batch_size", "gradient_accumulation_steps", "sampling_steps",
+              "timestep_fraction", "clip_range", "adv_clip_max")
+
+
+def preflight(upstream_args, jagg, family, trainer=None):
+    """The checks that need upstream's parsed flags, before upstream's main loads anything; then what
+    the file was found to be (`trainer`, a fingerprint.Trainer) and the plan."""
+    missing = [name for name in READ_FLAGS if not hasattr(upstream_args, name)]
+    if missing:
+        fail(f"upstream's parser gave no {', '.join('--' + m for m in missing)}, which jagg_patch.upstream reads "
+             f"as upstream's {family} train_one_step does; is this the trainer's own parser? See "
+             "docs/upstream_adapter.md")
     merged = argparse.Namespace(**{**vars(upstream_args), **vars(jagg)})
     if FAMILIES[family].needs_group and not getattr(upstream_args, "use_group", False):
-        fail(NEEDS_GROUP + "; add --use_group")
+        fail(needs_group(family) + "; add --use_group")
     per_rank = upstream_args.train_batch_size * (upstream_args.num_generations if upstream_args.use_group else 1)
     if upstream_args.gradient_accumulation_steps > per_rank:
         fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {per_rank} "
@@ -83,11 +98,16 @@ def preflight(upstream_args, jagg, family):
              "fails on an unbound grad_norm); lower it")
     check_trajectory(merged)
     try:
-        plan = jagg_plan_text(merged)
-    except Exception as e:  # noqa: BLE001  (a ConfigError of the plan: a bad fraction or S)
+        FAMILIES[family].call_rows(upstream_args)
+        plan = jagg_plan_text(merged, FAMILIES[family].output_bytes)
+    except Exception as e:  # noqa: BLE001  (a ConfigError of the plan: a bad fraction or S; Wan without --cfg_infer)
         fail(str(e))
     if int(os.environ.get("RANK", "0")) == 0:
+        if trainer is not None:
+            print(f"jagg_patch.upstream: {trainer.describe()}", flush=True)
         print(plan, flush=True)
+        if FAMILIES[family].plan_note and jagg.jagg_alpha == "timestep":
+            print(FAMILIES[family].plan_note, flush=True)
 
 
 def main(argv=None):
@@ -102,17 +122,19 @@ def main(argv=None):
                              jagg.jagg_grouping, jagg.jagg_reuse_rollout)
         module = load_trainer(script)
         if jagg.jagg_fingerprint:
-            print(fingerprint(module))
+            print(describe_fingerprint(fingerprint(module)))
             return 0
         family = apply(module, **jagg_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
-    except (ValueError, FileNotFoundError, UpstreamChanged) as e:
+    except (ValueError, FileNotFoundError, UpstreamChanged, UpstreamUnsupported) as e:
         fail(str(e))
     except ImportError as e:
         fail(f"cannot load {script}: {e} (run it with upstream's environment, from its checkout)")
     upstream_main = module.main
 
+    trainer = module.train_one_step.jagg_trainer
+
     def checked_main(args):
-        preflight(args, jagg, family)
+        preflight(args, jagg, family, trainer)
         return upstream_main(args)
 
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name

@@ -1,10 +1,13 @@
 """What differs between upstream's trainers, as the restated train_one_step needs it: where a
-step's prompts come from, whether the step zeroes the gradients first, and the conditioning
-arguments of grpo_one_step for one sample (stacked n times for a batched forward).
+step's prompts come from, whether the step zeroes the gradients first, the conditioning arguments
+of grpo_one_step for one sample (stacked n times for a batched forward), how many rows one
+transformer call holds per sample, and how the gradient is clipped.
 
 A registry: the family name (jagg_patch.upstream.fingerprint.family_of) -> its rules.
 """
 import torch
+
+from ..cli import rollout_output_bytes
 
 
 def repeat_rows(value, n):
@@ -30,9 +33,13 @@ def _stacked(tensor, i, n):
 
 
 class FluxUpstream:
-    """fastvideo/train_grpo_flux.py: prompts from next(loader); the step zeroes the gradients first."""
+    """fastvideo/train_grpo_flux.py and train_grpo_flux_lora.py: prompts from next(loader); the step
+    zeroes the gradients first; the clip is FSDP's transformer.clip_grad_norm_."""
     zero_grad_first = True
     needs_group = False
+    plan_note = None   # a line the start-up plan adds for this family
+    # What the plan says the kept rollout outputs cost per sample (None: not sized by the flags alone).
+    output_bytes = staticmethod(rollout_output_bytes)
 
     @staticmethod
     def prompts(named):
@@ -41,19 +48,41 @@ class FluxUpstream:
                 "text_ids": text_ids}, caption
 
     @staticmethod
+    def check(prompts):
+        """Refuse, before the rollout, prompt tensors the restated step would pass on wrongly."""
+
+    @staticmethod
     def rollout_values(prompts):
         return prompts
 
     @staticmethod
-    def condition(prompts, rollout_extra, i, n, args):
+    def condition(prompts, extra, i, n, args):
         # text_ids and image_ids stay one row: grpo_one_step repeats text_ids over the tokens and
-        # squeezes image_ids, which are the same for every sample (all_image_ids is the 5th rollout value).
+        # squeezes image_ids, which are the same for every sample (all_image_ids, extra[0]).
         return {"encoder_hidden_states": _stacked(prompts["encoder_hidden_states"], i, n),
                 "pooled_prompt_embeds": _stacked(prompts["pooled_prompt_embeds"], i, n),
-                "text_ids": prompts["text_ids"][i:i + 1], "image_ids": rollout_extra[i:i + 1]}
+                "text_ids": prompts["text_ids"][i:i + 1], "image_ids": extra[0][i:i + 1]}
+
+    @staticmethod
+    def call_rows(args):
+        """Rows one transformer call holds per sample (2 for a classifier-free-guided call)."""
+        return 1
+
+    @staticmethod
+    def clip(transformer, max_grad_norm):
+        clip = getattr(transformer, "clip_grad_norm_", None)
+        if clip is not None:
+            return clip(max_grad_norm)
+        return torch.nn.utils.clip_grad_norm_([p for p in transformer.parameters() if p.requires_grad],
+                                              max_grad_norm)
+
+    @staticmethod
+    def clip_note(transformer):
+        """A line to print once per run about upstream's clip on this transformer, or None."""
+        return None
 
 
-class QwenImageUpstream:
+class QwenImageUpstream(FluxUpstream):
     """fastvideo/train_grpo_qwenimage.py: prompts are arguments of train_one_step; the step does NOT
     zero the gradients first; without --use_group upstream's step fails (its embeddings are bound only
     under it); grpo_one_step gets the prompt cut to its original length and img_shapes."""
@@ -70,9 +99,9 @@ class QwenImageUpstream:
         return {**prompts, "encoder_hidden_states": prompts["prompt_embeds"]}
 
     @staticmethod
-    def condition(prompts, rollout_extra, i, n, args):
+    def condition(prompts, extra, i, n, args):
         length = int(prompts["original_length"][i])
-        lengths = rollout_extra[i]   # all_txt_seq_lens: this sample's text lengths, as the rollout used them
+        lengths = extra[0][i]   # all_txt_seq_lens: this sample's text lengths, as the rollout used them
         lengths = lengths.reshape(-1).tolist() if torch.is_tensor(lengths) else lengths
         lengths = list(lengths) if isinstance(lengths, (list, tuple)) else [int(lengths)]
         return {"encoder_hidden_states": _stacked(prompts["prompt_embeds"][:, :length], i, n),
@@ -80,4 +109,83 @@ class QwenImageUpstream:
                 "txt_seq_lens": lengths * n, "img_shapes": [[(1, args.h // 16, args.w // 16)]] * n}
 
 
-FAMILIES = {"flux": FluxUpstream, "flux_lora": FluxUpstream, "qwenimage": QwenImageUpstream}
+class QwenImageEditUpstream(QwenImageUpstream):
+    """fastvideo/train_grpo_qwenimage_edit.py: Qwen-Image's step plus a condition image. The model
+    input is the latents followed by the condition's latents (all_image_latents, the rollout's 6th
+    value) along the tokens, and the output holds both: grpo_one_step cuts it back, so the recorded
+    output is the whole one. img_shapes pairs the target's size with the FIRST sample's condition
+    size, for every sample, as upstream's step passes it."""
+    # The condition image's tokens are in every output; their count is the data's, not the flags'.
+    output_bytes = staticmethod(lambda args: None)
+
+    @staticmethod
+    def prompts(named):
+        prompts, caption = QwenImageUpstream.prompts(named)
+        return {**prompts, **{name: named[name] for name in ("calculated_height", "calculated_width",
+                                                             "image_latents")}}, caption
+
+    @staticmethod
+    def condition(prompts, extra, i, n, args):
+        values = QwenImageUpstream.condition(prompts, extra, i, n, args)
+        condition_size = (1, int(prompts["calculated_height"][0]) // 16, int(prompts["calculated_width"][0]) // 16)
+        return {**values, "img_shapes": [[(1, args.h // 16, args.w // 16), condition_size]] * n,
+                "image_latents": _stacked(extra[1], i, n)}
+
+
+def _is_fsdp(module):
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    return isinstance(module, FullyShardedDataParallel)
+
+
+class WanUpstream(FluxUpstream):
+    """fastvideo/train_grpo_wan_2_1.py (text to video): the prompt and the negative prompt are
+    arguments; the step zeroes the gradients first and runs without --use_group too. With
+    --cfg_infer > 1 one transformer call holds the n conditional rows, then the n unconditional ones.
+    The clip is torch.nn.utils.clip_grad_norm_ over transformer.parameters(): under FSDP1 each rank
+    clips by its own shard's norm (upstream's, reproduced)."""
+    # Video latents: their frame count is not among the flags the adapter reads.
+    output_bytes = staticmethod(lambda args: None)
+    plan_note = ("  timestep alpha: t = int(sigma * 1000) / 1000 as for the image trainers; Wan's model gets the "
+                 "integers int(sigma * 1000), whose ratios are the same (to float32 rounding)")
+
+    @staticmethod
+    def prompts(named):
+        return {"encoder_hidden_states": named["encoder_hidden_states"],
+                "negative_prompt_embeds": named["negative_prompt_embeds"]}, named["caption"]
+
+    @staticmethod
+    def check(prompts):
+        rows, num_samples = prompts["negative_prompt_embeds"].shape[0], prompts["encoder_hidden_states"].shape[0]
+        if rows != num_samples:
+            raise ValueError(f"upstream's Wan train_one_step got negative_prompt_embeds with {rows} rows for "
+                             f"{num_samples} samples; jagg_patch.upstream gives each sample its own row (one per "
+                             "prompt, repeated with it under --use_group), as the prompt's: pass one per prompt")
+
+    @staticmethod
+    def condition(prompts, extra, i, n, args):
+        return {"encoder_hidden_states": _stacked(prompts["encoder_hidden_states"], i, n),
+                "negative_prompt_embeds": _stacked(prompts["negative_prompt_embeds"], i, n)}
+
+    @staticmethod
+    def call_rows(args):
+        cfg = getattr(args, "cfg_infer", None)
+        if cfg is None:
+            raise ValueError("upstream's Wan trainer reads --cfg_infer, which these arguments lack; "
+                             "jagg_patch.upstream needs it to split a guided call into its samples")
+        return 2 if cfg > 1 else 1
+
+    @staticmethod
+    def clip(transformer, max_grad_norm):
+        return torch.nn.utils.clip_grad_norm_(transformer.parameters(), max_grad_norm)
+
+    @staticmethod
+    def clip_note(transformer):
+        if not _is_fsdp(transformer):
+            return None
+        return ("jagg_patch.upstream: upstream's Wan trainer clips with torch.nn.utils.clip_grad_norm_ on the "
+                "FSDP transformer's parameters, so each rank clips by the norm of its own shard, not the full "
+                "gradient's; reproduced as upstream does it (docs/upstream_differences.md)")
+
+
+FAMILIES = {"flux": FluxUpstream, "qwenimage": QwenImageUpstream, "qwenimage_edit": QwenImageEditUpstream,
+            "wan": WanUpstream}

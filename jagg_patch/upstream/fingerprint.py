@@ -1,53 +1,90 @@
 """What an upstream trainer file offers against what the adapter relies on (jagg_patch.seams,
-UPSTREAM_*): the family, each function's parameters, the rollout's return arity, and the source
-of the function the adapter restates.
+UPSTREAM_*): the family, each function's parameters, the rollout's return arity, the reward file
+its train_one_step appends to, and which known release its train_one_step is (by token hash).
 
 A changed parameter list or arity stops at once with one line (UpstreamChanged), unless
-allow_changes turns it into a warning; a changed restated source only warns
-(UpstreamSourceChanged), naming the docs page to re-read.
+allow_changes turns it into a warning; a train_one_step that is no known release only warns
+(UpstreamSourceChanged), naming the nearest known release and the docs section to re-read. A file
+that is none of the supported trainers stops with one line naming them (UpstreamUnsupported).
 """
 import ast
-import hashlib
 import inspect
-import textwrap
+import os
 import warnings
+from dataclasses import dataclass
 
-from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS,
-                     UPSTREAM_SOURCE_HASHES)
+from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_FAMILY_PARAMETERS, UPSTREAM_RELEASES,
+                     UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP, UPSTREAM_TRAINER_FILES,
+                     UPSTREAM_UNSUPPORTED_FILES)
+from .tokenhash import function_source, token_hash, token_hashes
 
-DOCS_PAGE = 'docs/upstream_adapter.md'
-RESTATED = ("train_one_step",)
+DOCS_PAGE = "docs/upstream_adapter.md"
+DOCS_SECTION = f'{DOCS_PAGE}, "When the fingerprint fires"'
+SUPPORTED = ", ".join(UPSTREAM_TRAINER_FILES)
 
 
 class UpstreamChanged(SeamError):
     """The upstream file no longer offers what jagg_patch.upstream relies on."""
 
 
+class UpstreamUnsupported(SeamError):
+    """The file is none of the upstream trainers jagg_patch.upstream runs."""
+
+
 class UpstreamSourceChanged(UserWarning):
-    """A function the adapter restates differs from the source it was written against."""
+    """train_one_step, which the adapter restates, is no release the adapter knows."""
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """What the checks found: the family, the known release (None: an unknown source), and what the
+    restated step takes from upstream's own train_one_step (the reward file and print labels)."""
+    family: str
+    file: str
+    release: object
+    reward_file: str
+    reward_label: str
+    gathered_label: str
+
+    def release_text(self):
+        """The known release's files and commits, this file's only where the release lists several
+        (Flux bbf5278's train_one_step is the LoRA trainer's, token for token); None when unknown."""
+        if self.release is None:
+            return None
+        parts = self.release.commits.split(", ")
+        return next((p for p in parts if p.split(" ")[0] == os.path.basename(self.file)), self.release.commits)
+
+    def describe(self):
+        known = self.release_text()
+        known = f"train_one_step of {known}" if known else "train_one_step of no known release"
+        return f"{os.path.basename(self.file)}: family {self.family}, {known}, reward file {self.reward_file}"
 
 
 def param_names(fn):
     return tuple(inspect.signature(fn).parameters)
 
 
-def family_of(module):
-    """The trainer family, told by train_one_step's parameters."""
-    fn = getattr(module, "train_one_step", None)
-    if not callable(fn):
-        raise UpstreamChanged(f"{_file(module)} has no function train_one_step; jagg_patch.upstream replaces it "
-                              "(is this an upstream DanceGRPO trainer, fastvideo/train_grpo_*.py?)")
-    params = param_names(fn)
-    if "loader" in params:
-        return "flux" if "ema_handler" in params else "flux_lora"
-    if "prompt_embeds" in params:
-        return "qwenimage"
-    raise UpstreamChanged(f"{_file(module)}: train_one_step{params} matches none of upstream's trainers "
-                          f"({', '.join(UPSTREAM_SEAMS)}: Flux's takes `loader`, Qwen-Image's `prompt_embeds`)")
-
-
 def _file(module):
     return getattr(module, "__file__", None) or module.__name__
+
+
+def family_of(module):
+    """The trainer family, told by train_one_step's parameters; upstream's other trainers and files
+    without a matching train_one_step are refused naming the supported ones."""
+    name = os.path.basename(_file(module))
+    if name in UPSTREAM_UNSUPPORTED_FILES:
+        raise UpstreamUnsupported(f"{name} is upstream's {UPSTREAM_UNSUPPORTED_FILES[name]} trainer, which "
+                                  f"jagg_patch.upstream does not run; it runs {SUPPORTED}")
+    fn = getattr(module, "train_one_step", None)
+    if not callable(fn):
+        raise UpstreamUnsupported(f"{_file(module)} has no function train_one_step, which jagg_patch.upstream "
+                                  f"replaces: is it an upstream DanceGRPO trainer? Supported: {SUPPORTED}")
+    params = set(param_names(fn))
+    for family, marks in UPSTREAM_FAMILY_PARAMETERS:
+        if params.issuperset(marks):
+            return family
+    raise UpstreamUnsupported(f"{_file(module)}: train_one_step{param_names(fn)} matches none of upstream's "
+                              f"trainers that jagg_patch.upstream runs ({SUPPORTED})")
 
 
 def _difference(found, expected):
@@ -58,12 +95,41 @@ def _difference(found, expected):
     return "same names in another order"
 
 
+def _nearest_list(found, lists):
+    return min(lists, key=lambda expected: len(set(found) ^ set(expected)))
+
+
+def _literals(fn):
+    """The plain string constants of fn's own source (not the pieces of an f-string); empty when
+    the source is not readable."""
+    try:
+        tree = ast.parse(function_source(fn))
+    except (OSError, TypeError, SyntaxError, ValueError):
+        return []
+    found, todo = [], [tree]
+    while todo:
+        node = todo.pop(0)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found.append(node.value)
+        if not isinstance(node, ast.JoinedStr):
+            todo.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def reward_file_of(fn):
+    """The ./...reward.txt file train_one_step appends the mean reward to (it was ./hps_reward.txt
+    before bbf5278), read from its own source; None if it names none."""
+    return next((s for s in _literals(fn) if s.endswith("reward.txt")), None)
+
+
 def _returned_tuple_sizes(fn):
     """Sizes of the literal tuples fn itself returns (not its nested functions); empty when it returns
     none or its source is not readable."""
     try:
-        (definition,) = ast.parse(textwrap.dedent(inspect.getsource(fn))).body
+        (definition,) = ast.parse(function_source(fn)).body
     except (OSError, TypeError, SyntaxError, ValueError):
+        return set()
+    if not isinstance(definition, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return set()
     sizes, todo = set(), list(definition.body)
     while todo:
@@ -78,6 +144,10 @@ def _returned_tuple_sizes(fn):
 def signature_changes(module, family):
     """One line per difference between the module and what the adapter relies on."""
     changes = []
+    found, known = param_names(module.train_one_step), UPSTREAM_TRAIN_ONE_STEP[family]
+    if found not in known:
+        expected = _nearest_list(found, known)
+        changes.append(f"train_one_step takes {found}, expected {expected} ({_difference(found, expected)})")
     for name, expected in UPSTREAM_SEAMS[family].items():
         fn = getattr(module, name, None)
         if not callable(fn):
@@ -90,54 +160,99 @@ def signature_changes(module, family):
         if not callable(getattr(module, name, None)):
             changes.append(f"{name} is missing")
     sizes = _returned_tuple_sizes(getattr(module, "sample_reference_model", None))
-    if sizes - {UPSTREAM_ROLLOUT_VALUES}:
-        changes.append(f"sample_reference_model returns {sorted(sizes)} values, expected {UPSTREAM_ROLLOUT_VALUES}")
+    if sizes - {UPSTREAM_ROLLOUT_VALUES[family]}:
+        changes.append(f"sample_reference_model returns {sorted(sizes)} values, expected "
+                       f"{UPSTREAM_ROLLOUT_VALUES[family]}")
+    if reward_file_of(module.train_one_step) is None:
+        changes.append("train_one_step names no ./reward.txt file to append the mean reward to")
     return changes
 
 
-def source_hash(fn):
-    """sha256 (16 hex digits) of fn's syntax tree: comments, blank lines and layout do not count."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    return hashlib.sha256(ast.dump(tree, include_attributes=False).encode()).hexdigest()[:16]
+def known_release(fn, family, releases=UPSTREAM_RELEASES):
+    """The release of `family` whose train_one_step has fn's token hash (on this Python or on every
+    one: see jagg_patch.upstream.tokenhash), or None."""
+    hashes = token_hashes(fn)
+    return next((r for r in releases if r.family == family and r.token_hash in hashes), None)
+
+
+def nearest_release(fn, family, releases=UPSTREAM_RELEASES):
+    """The known release of the family most like fn: the same parameter list first, then the same
+    reward file; the newest among equals (the table lists the newest first)."""
+    params, reward_file = param_names(fn), reward_file_of(fn)
+    candidates = [r for r in releases if r.family == family]
+    if not candidates:
+        return None
+    return max(candidates, key=lambda r: 2 * (r.parameters == params) + (r.reward_file == reward_file))
 
 
 def fingerprint(module):
-    """Everything the checks compare, as recorded for a release: family, parameter lists, source hashes."""
+    """Everything the checks compare, as a release is recorded: family, parameter lists, the token
+    hash of train_one_step (and the running Python's own where it differs), the reward file, and the
+    known release it is (None: unknown)."""
     family = family_of(module)
-    return {"family": family,
-            "parameters": {name: param_names(getattr(module, name)) for name in UPSTREAM_SEAMS[family]
+    fn = module.train_one_step
+    release = known_release(fn, family)
+    return {"file": _file(module), "family": family,
+            "parameters": {name: param_names(getattr(module, name))
+                           for name in ("train_one_step", *UPSTREAM_SEAMS[family])
                            if callable(getattr(module, name, None))},
-            "source_hashes": {name: source_hash(getattr(module, name)) for name in RESTATED}}
+            "token_hash": token_hash(fn), "token_hashes": token_hashes(fn), "reward_file": reward_file_of(fn),
+            "known_release": release.commits if release is not None else None}
+
+
+def describe_fingerprint(found):
+    """The fingerprint as printed by --jagg_fingerprint, ending with the line that records it."""
+    hashes = found["token_hashes"]
+    native = f" (this Python's own tokenization of its f-strings: {hashes[1]})" if len(hashes) > 1 else ""
+    lines = [f"file: {found['file']}", f"family: {found['family']}",
+             f"train_one_step token hash: {found['token_hash']}{native}",
+             f"known release: {found['known_release'] or 'none (see ' + DOCS_SECTION + ')'}",
+             f"reward file: {found['reward_file']}", "parameters:"]
+    lines += [f"  {name}{params}" for name, params in found["parameters"].items()]
+    lines += ["to record it, add to jagg_patch.seams.UPSTREAM_RELEASES:",
+              f"  UpstreamRelease({found['token_hash']!r}, {found['family']!r}, "
+              f"\"{os.path.basename(found['file'])} <commit>\", {found['parameters']['train_one_step']}, "
+              f"{found['reward_file']!r}),"]
+    return "\n".join(lines)
 
 
 def rollout_changed(family, count):
     """The message for a sample_reference_model that returned `count` values."""
     return (f"upstream changed sample_reference_model: it returned {count} values, jagg_patch.upstream expects "
-            f"{UPSTREAM_ROLLOUT_VALUES} (upstream {UPSTREAM_COMMIT}, {family}); see {DOCS_PAGE}")
+            f"{UPSTREAM_ROLLOUT_VALUES[family]} (upstream {UPSTREAM_COMMIT}, {family}); see {DOCS_PAGE}")
 
 
-def check_upstream(module, allow_changes=False, source_hashes=None, log=print):
-    """Check a loaded upstream trainer module before the first step; returns its family.
+def _labels(fn):
+    """(the per-sample reward print's label, the gathered rewards' label) as upstream's own source has
+    them: "hps reward" before bbf5278, "reward" since; the gathered print's own constant."""
+    literals = _literals(fn)
+    reward = "hps reward" if "hps reward" in literals else "reward"
+    gathered = next((s for s in literals if s.startswith("gathered")), "gathered_reward")
+    return reward, gathered
 
-    source_hashes: {(family, function): hash or None}; default the recorded UPSTREAM_SOURCE_HASHES."""
+
+def check_upstream(module, allow_changes=False, releases=None):
+    """Check a loaded upstream trainer module before the first step; returns its Trainer.
+
+    releases: the known releases (default jagg_patch.seams.UPSTREAM_RELEASES)."""
     family = family_of(module)
+    fn = module.train_one_step
     changes = signature_changes(module, family)
     if changes:
         line = (f"upstream changed what jagg_patch.upstream relies on in {_file(module)} ({family}, written "
-                f"against upstream {UPSTREAM_COMMIT}): {'; '.join(changes)}. See {DOCS_PAGE}")
+                f"against upstream {UPSTREAM_COMMIT} and its earlier releases): {'; '.join(changes)}. See {DOCS_PAGE}")
         if not allow_changes:
             raise UpstreamChanged(line + "; --jagg_allow_upstream_changes runs anyway")
         warnings.warn(UpstreamSourceChanged(line + " (running anyway: --jagg_allow_upstream_changes)"), stacklevel=2)
-    recorded = UPSTREAM_SOURCE_HASHES if source_hashes is None else source_hashes
-    for name in RESTATED:
-        expected, found = recorded.get((family, name)), source_hash(getattr(module, name))
-        if expected is None:
-            log(f"jagg_patch.upstream: note: no recorded source hash of {family} {name} at upstream "
-                f"{UPSTREAM_COMMIT} in this release, so a change to it cannot be detected (this file's: {found}; "
-                f"see {DOCS_PAGE})")
-        elif found != expected:
-            warnings.warn(UpstreamSourceChanged(
-                f"upstream's {name} in {_file(module)} is not the source jagg_patch.upstream restates (upstream "
-                f"{UPSTREAM_COMMIT}, {family}: hash {expected}, found {found}): re-read {DOCS_PAGE}, "
-                f"\"When the fingerprint fires\", and compare the rules it lists with this {name}"), stacklevel=2)
-    return family
+    releases = UPSTREAM_RELEASES if releases is None else releases
+    release = known_release(fn, family, releases)
+    if release is None:
+        nearest = nearest_release(fn, family, releases)
+        near = f"{nearest.commits} (token hash {nearest.token_hash})" if nearest is not None else "none"
+        warnings.warn(UpstreamSourceChanged(
+            f"upstream's train_one_step in {_file(module)} is no release jagg_patch.upstream knows (token hash "
+            f"{' / '.join(token_hashes(fn))}; the nearest known is {family} {near}): re-read {DOCS_SECTION}, "
+            "and compare the rules it lists with this train_one_step"), stacklevel=2)
+    reward_label, gathered_label = _labels(fn)
+    return Trainer(family, _file(module), release, reward_file_of(fn) or "./reward.txt", reward_label,
+                   gathered_label)

@@ -22,10 +22,15 @@ def _is_main_guard(node):
             and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
 
 
+NAMESPACE_PACKAGE = "fastvideo"   # upstream's package folder, which has no __init__.py
+
+
 def checkout_root(path):
-    """The folder above the file's outermost package (the checkout root for fastvideo/train_*.py)."""
+    """The folder above the file's outermost package: the package folders are those with an
+    __init__.py and upstream's `fastvideo/`, a namespace package without one (so the root of
+    <root>/fastvideo/train_grpo_flux.py is <root>, installed or not)."""
     folder = os.path.dirname(os.path.abspath(path))
-    while os.path.isfile(os.path.join(folder, "__init__.py")):
+    while os.path.isfile(os.path.join(folder, "__init__.py")) or os.path.basename(folder) == NAMESPACE_PACKAGE:
         folder = os.path.dirname(folder)
     return folder
 
@@ -36,16 +41,37 @@ def module_name(path, root):
     return relative.replace(os.sep, ".")
 
 
-def _put_on_path(*folders):
+def _put_first_on_path(*folders):
+    """The folders at the front of sys.path, in this order, so that they win over any other
+    checkout (installed, or on PYTHONPATH) for the same package names."""
     for folder in reversed(folders):
-        if folder not in sys.path:
-            sys.path.insert(0, folder)
+        while folder in sys.path:
+            sys.path.remove(folder)
+        sys.path.insert(0, folder)
+
+
+def _loaded_from(module):
+    files = [getattr(module, "__file__", None), *list(getattr(module, "__path__", []) or [])]
+    return [os.path.abspath(f) for f in files if f]
+
+
+def _forget_other_checkout(package, root):
+    """Drop `package` and its submodules from sys.modules where they were imported from outside
+    `root`: the file given decides which checkout its `fastvideo.*` imports come from."""
+    inside = os.path.join(os.path.abspath(root), "")
+    stale = [name for name, module in list(sys.modules.items())
+             if (name == package or name.startswith(package + ".")) and module is not None
+             and any(not f.startswith(inside) for f in _loaded_from(module))]
+    for name in stale:
+        del sys.modules[name]
+    return stale
 
 
 def load_trainer(path):
     """The file's definitions as a module (registered under its dotted name, so that pickling and
     `import fastvideo.<name>` find it); its __main__ block is kept, not run. The script's folder and
-    the checkout root go on sys.path, as when upstream runs the file itself."""
+    the checkout root go first on sys.path, as when upstream runs the file from its checkout: its
+    `fastvideo.*` imports come from that checkout, whichever other one is installed."""
     path = os.path.abspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"upstream trainer file {path!r} does not exist; give the path of e.g. "
@@ -55,8 +81,10 @@ def load_trainer(path):
     definitions = [node for node in tree.body if not _is_main_guard(node)]
     blocks = [stmt for node in tree.body if _is_main_guard(node) for stmt in node.body]
     root = checkout_root(path)
-    _put_on_path(os.path.dirname(path), root)
+    _put_first_on_path(os.path.dirname(path), root)
     name = module_name(path, root)
+    if "." in name:
+        _forget_other_checkout(name.split(".")[0], root)
     module = types.ModuleType(name)
     module.__file__ = path
     sys.modules[name] = module

@@ -9,6 +9,7 @@ from dancegrpo.algo.grpo import select_train_steps
 
 from ..core import validate_jagg_config
 from ..patch import make_policy_update, make_window_selection
+from .families import FAMILIES
 from .fingerprint import check_upstream
 from .step import train_step
 
@@ -31,46 +32,55 @@ def _write_metrics_line(args, record):
         f.write(json.dumps(record) + "\n")
 
 
-def make_train_one_step(module, family, update, select, original):
-    """A function with upstream's train_one_step parameters that runs the restated step."""
+def make_train_one_step(module, trainer, update, select, original):
+    """A function with upstream's train_one_step parameters that runs the restated step of the
+    checked trainer file (`trainer`, a fingerprint.Trainer)."""
     signature, run_id = inspect.signature(original), uuid.uuid4().hex[:12]
+    release = trainer.release_text()
 
     def train_one_step(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        result, stats = train_step(module, family, update, select, bound.arguments, step=train_one_step.calls + 1)
+        if train_one_step.calls == 0:
+            note = FAMILIES[trainer.family].clip_note(bound.arguments["transformer"])
+            if note:
+                _print_on_rank0(note)
+        result, stats = train_step(module, trainer, update, select, bound.arguments, step=train_one_step.calls + 1)
         train_one_step.calls += 1
         train_one_step.last_stats = stats
         _write_metrics_line(bound.arguments["args"], {"step": train_one_step.calls, "run_id": run_id,
-                                                      "family": family, **update.jagg_config, **stats})
+                                                      "family": trainer.family, "release": release,
+                                                      **update.jagg_config, **stats})
         return result
 
     train_one_step.__signature__ = signature
     train_one_step.__name__ = original.__name__
     train_one_step.calls, train_one_step.last_stats = 0, None
-    train_one_step.jagg_config, train_one_step.jagg_family = update.jagg_config, family
+    train_one_step.jagg_config, train_one_step.jagg_family = update.jagg_config, trainer.family
+    train_one_step.jagg_trainer = trainer
     return train_one_step
 
 
 def apply(module, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint", reuse="on_policy",
-          grouping="trained", allow_upstream_changes=False, source_hashes=None, monitor_every=0, monitor_samples=2,
+          grouping="trained", allow_upstream_changes=False, releases=None, monitor_every=0, monitor_samples=2,
           min_cos=0.8):
     """Replace module.train_one_step (upstream's own, from load_trainer or an import) by JAGG's.
     mode "exact" reproduces upstream's step; grouping "window" is the authors' (it draws windows,
     not upstream's transitions). monitor_every / monitor_samples / min_cos and jagg_frac "auto":
     jagg_patch.make_policy_update's; upstream's micro-batch is one sample, so the monitor measures
-    each rank's first sample of the step. Applying again only changes the configuration. Returns
-    the family."""
+    each rank's first sample of the step. releases: the known releases of train_one_step (default
+    jagg_patch.seams.UPSTREAM_RELEASES). Applying again only changes the configuration. Returns the
+    family; the replacement's `jagg_trainer` says what the checks found (its known release)."""
     validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
     original = _ORIGINALS.get(module.__name__, module.train_one_step)
     module.train_one_step = original   # the fingerprint is of upstream's own function
-    family = check_upstream(module, allow_upstream_changes, source_hashes, log=_print_on_rank0)
+    trainer = check_upstream(module, allow_upstream_changes, releases)
     update = make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse, monitor_every,
                                 monitor_samples, min_cos)
     select = make_window_selection(window) if grouping == "window" else select_train_steps
     _ORIGINALS[module.__name__] = original
-    module.train_one_step = make_train_one_step(module, family, update, select, original)
-    return family
+    module.train_one_step = make_train_one_step(module, trainer, update, select, original)
+    return trainer.family
 
 
 def revert(module):

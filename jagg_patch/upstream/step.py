@@ -24,10 +24,12 @@ from dancegrpo.utils.metrics import PassCounter, first_tensor
 from ..seams import UPSTREAM_ROLLOUT_VALUES
 from .families import FAMILIES, repeat_captions, repeat_rows
 from .fingerprint import UpstreamChanged, rollout_changed
-from .rollout_record import RolloutRecorder
+from .rollout_record import RolloutRecorder, per_sample
 
-NEEDS_GROUP = ("upstream's Qwen-Image train_one_step needs --use_group (without it upstream fails with "
-               "UnboundLocalError: its embeddings are bound only under --use_group)")
+
+def needs_group(family):
+    return (f"upstream's {family} train_one_step needs --use_group (without it upstream fails with "
+            "UnboundLocalError: its embeddings are bound only under --use_group)")
 
 
 def call_by_name(fn, values):
@@ -63,14 +65,15 @@ class Trajectories:
     """One step's rollout as the update reads it; rows are samples, in upstream's order."""
     args: object
     prompts: dict            # per-sample prompt tensors (group-repeated), by upstream's names
-    extra: object            # the rollout's 5th value: Flux all_image_ids, Qwen-Image all_txt_seq_lens
-    latents: torch.Tensor    # all_latents [B, S+1, L, C]
+    extra: tuple             # the rollout's values after sigma_schedule (Flux: all_image_ids, Qwen-Image:
+                             # all_txt_seq_lens, Qwen-Image-Edit: that and all_image_latents, Wan: none)
+    latents: torch.Tensor    # all_latents [B, S+1, ...]: packed tokens [L, C], or Wan's video latents
     log_probs: torch.Tensor  # all_log_probs [B, S]
     sigma_schedule: torch.Tensor
     timesteps: torch.Tensor  # [S] int(sigma * 1000), long, as upstream feeds timesteps / 1000
     advantages: torch.Tensor
     normaliser: int          # GA * train_timesteps
-    outputs: torch.Tensor = None   # [B, S, L, C] the rollout's model outputs, when recorded
+    outputs: torch.Tensor = None   # [B, S, rows, ...] the rollout's raw model outputs, when recorded
 
 
 def _rank():
@@ -99,20 +102,18 @@ def upstream_advantages(rewards, gathered, args):
     return advantages
 
 
-def report_rewards(gathered):
-    """Rank 0 prints every rank's rewards and appends their mean to ./reward.txt, as upstream."""
+def report_rewards(gathered, trainer):
+    """Rank 0 prints every rank's rewards and appends their mean to the release's reward file
+    (./reward.txt; ./hps_reward.txt before bbf5278), as upstream."""
     if _rank() == 0:
-        print("gathered_hps_reward", gathered, flush=True)
-        with open("./reward.txt", "a") as f:
+        print(trainer.gathered_label, gathered, flush=True)
+        with open(trainer.reward_file, "a") as f:
             f.write(f"{gathered.mean().item():.4f}\n")
 
 
-def optimizer_step(transformer, optimizer, lr_scheduler, max_grad_norm):
-    """Clip (FSDP's clip_grad_norm_ where the transformer has it), optimizer and scheduler step, zero grad."""
-    clip = getattr(transformer, "clip_grad_norm_", None)
-    grad_norm = (clip(max_grad_norm) if clip is not None else
-                 torch.nn.utils.clip_grad_norm_([p for p in transformer.parameters() if p.requires_grad],
-                                                max_grad_norm))
+def optimizer_step(family, transformer, optimizer, lr_scheduler, max_grad_norm):
+    """The family's clip, optimizer and scheduler step, zero grad."""
+    grad_norm = family.clip(transformer, max_grad_norm)
     optimizer.step()
     lr_scheduler.step()
     optimizer.zero_grad()
@@ -141,7 +142,7 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, s
     def predict_batched(ks):
         model = StandIn(transformer)
         grpo_one_step(list(ks), model)   # one transformer call; its log-prob (one index for all) is unused
-        return list(model.output.split(1))
+        return per_sample(model.output, len(ks))   # a guided call's blocks: each member's rows
 
     def step_loss(k, v):
         log_prob = grpo_one_step([k], StandIn(transformer, v))
@@ -152,7 +153,7 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, s
         return loss
 
     def rollout_output(k):
-        return traj.outputs[i, k]
+        return traj.outputs[i, k].flatten(0, 1)   # [1, rows, ...] -> the raw output of a call on sample i
 
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=traj.timesteps / 1000,
                        subset=lambda rows: sample_batch(module, family, traj, i, steps[rows], on_policy,
@@ -173,35 +174,38 @@ def rollout(module, family_name, update, named):
         prompts = {name: repeat_rows(value, args.num_generations) for name, value in prompts.items()}
         caption = repeat_captions(caption, args.num_generations)
     elif family.needs_group:
-        raise ValueError(NEEDS_GROUP)
-    recorder = RolloutRecorder(named["transformer"]) if wants_rollout_outputs(update) else None
+        raise ValueError(needs_group(family_name))
+    family.check(prompts)
+    recorder = (RolloutRecorder(named["transformer"], family.call_rows(args)) if wants_rollout_outputs(update)
+                else None)
     with recorder or contextlib.nullcontext():
         result = call_by_name(module.sample_reference_model,
                               {**named, **family.rollout_values(prompts), "caption": caption})
-    if len(result) != UPSTREAM_ROLLOUT_VALUES:
+    if len(result) != UPSTREAM_ROLLOUT_VALUES[family_name]:
         raise UpstreamChanged(rollout_changed(family_name, len(result)))
-    rewards, all_latents, all_log_probs, sigma_schedule, extra = result
+    rewards, all_latents, all_log_probs, sigma_schedule, *extra = result
     timestep_value = [int(sigma * 1000) for sigma in sigma_schedule][:args.sampling_steps]
-    traj = Trajectories(args, prompts, extra, all_latents, all_log_probs, sigma_schedule,
+    traj = Trajectories(args, prompts, tuple(extra), all_latents, all_log_probs, sigma_schedule,
                         torch.tensor(timestep_value, device=all_latents.device, dtype=torch.long), None, 0,
                         recorder.outputs(all_latents) if recorder is not None else None)
     return traj, rewards.to(torch.float32)
 
 
-def train_step(module, family_name, update, select_train_steps, named, step=1):
-    """One upstream training step (the run's `step`-th) with the policy update `update`; returns
-    ((total_loss, grad_norm), stats) with stats counted by hooks on the transformer and what the
-    update measured beside it (the monitor's metrics, the routing)."""
-    family = FAMILIES[family_name]
+def train_step(module, trainer, update, select_train_steps, named, step=1):
+    """One upstream training step (the run's `step`-th) of the checked trainer file (`trainer`, a
+    fingerprint.Trainer) with the policy update `update`; returns ((total_loss, grad_norm), stats)
+    with stats counted by hooks on the transformer, the gathered reward, and what the update
+    measured beside it (the monitor's metrics, the routing)."""
+    family = FAMILIES[trainer.family]
     args, transformer, device = named["args"], named["transformer"], named["device"]
     optimizer, ga = named["optimizer"], args.gradient_accumulation_steps
-    counter, t_start = PassCounter(transformer), time.time()
+    counter, t_start = PassCounter(transformer, family.call_rows(args)), time.time()
     try:
         if family.zero_grad_first:
             optimizer.zero_grad()
-        traj, rewards = rollout(module, family_name, update, named)
+        traj, rewards = rollout(module, trainer.family, update, named)
         gathered = module.gather_tensor(rewards)
-        report_rewards(gathered)
+        report_rewards(gathered, trainer)
         traj.advantages = upstream_advantages(rewards, gathered, args)
         num_samples = traj.latents.shape[0]
         # Upstream's draw (a randperm per sample on the global generator), or the window grouping's.
@@ -219,10 +223,11 @@ def train_step(module, family_name, update, select_train_steps, named, step=1):
                                          "optimizer step, so the weights are not trained on it")
             total_loss += loss
             if (i + 1) % ga == 0:
-                grad_norm = optimizer_step(transformer, optimizer, named["lr_scheduler"], named["max_grad_norm"])
+                grad_norm = optimizer_step(family, transformer, optimizer, named["lr_scheduler"],
+                                           named["max_grad_norm"])
                 optimizer_steps += 1
             if _rank() % 8 == 0:
-                print("reward", rewards[i].item(), "ratio", last.get("ratio"), "advantage",
+                print(trainer.reward_label, rewards[i].item(), "ratio", last.get("ratio"), "advantage",
                       traj.advantages[i].item(), "final loss", last["loss"].item(), flush=True)
             if dist.is_initialized():
                 dist.barrier()
@@ -235,7 +240,8 @@ def train_step(module, family_name, update, select_train_steps, named, step=1):
     stats_dict = {**counter.as_dict(), "transformer_forwards_reused": stats.forwards_reused,
                   "jagg_groups": stats.jagg_groups, "exact_groups": stats.exact_groups,
                   "backward_calls": stats.backward_calls, "samples": num_samples, "optimizer_steps": optimizer_steps,
-                  "loss": total_loss, "grad_norm": grad_norm.item(), "step_time_s": t_end - t_start,
+                  "loss": total_loss, "grad_norm": grad_norm.item(), "reward_mean": gathered.mean().item(),
+                  "reward_std": gathered.std().item() if gathered.numel() > 1 else 0.0, "step_time_s": t_end - t_start,
                   "rollout_time_s": t_update - t_start, "update_time_s": t_end - t_update, **stats.metrics}
     return (total_loss, grad_norm.item()), stats_dict
 

@@ -3,11 +3,15 @@ transformer under FSDP1 (gloo, CPU), as upstream wraps it. Returns:
 - rel_exact: exact mode's gradient against the stand-in's own train_one_step, both under FSDP;
 - rel_jagg: JAGG (backward auto, i.e. batched on 2 ranks, with rollout reuse) under FSDP against the
   mean over ranks of the JAGG gradients of the same step on an unwrapped copy of the weights;
-- stats: rank 0's hook counts of the FSDP JAGG step.
+- stats: rank 0's hook counts of the FSDP JAGG step;
+- wan: the Wan stand-in under FSDP1 with a clip that bites: exact mode == its own step (each rank
+  clips by its own shard's norm, upstream's defect, reproduced), that per-shard clip != the full
+  norm's, and the one line saying so printed once in two steps.
 Gradients are read at the optimizer step (SGD at lr 0, so every run starts from the same weights)."""
+import contextlib
 import copy
+import io
 import os
-import sys
 import types
 
 import torch
@@ -19,14 +23,14 @@ B = 4   # one prompt x 4 generations per rank, GA 4: one optimizer step
 
 def check(cache_dir, workdir, flags):
     rank, world = dist.get_rank(), dist.get_world_size()
-    sys.path.insert(0, STANDIN)
     from dancegrpo.utils.fsdp_util import full_gradients, wrap_fsdp
     from dancegrpo.models.flux import FluxFamily
-    from fastvideo.utils.standin_setup import ClipGradModule, latent_reward, load_transformer, prompt_batches
-    from fastvideo.utils.standin_setup import standin_parser
     from jagg_patch.upstream import apply, load_trainer, revert
 
+    # load_trainer puts the stand-in checkout on the path, as for a user's checkout
     module = load_trainer(os.path.join(STANDIN, "fastvideo", "train_grpo_flux.py"))
+    from fastvideo.utils.standin_setup import ClipGradModule, latent_reward, load_transformer, prompt_batches
+    from fastvideo.utils.standin_setup import standin_parser
     args = standin_parser().parse_args(
         ["--cache_dir", cache_dir, "--output_dir", os.path.join(workdir, f"rank{rank}"), "--use_group",
          "--num_generations", str(B),
@@ -72,4 +76,43 @@ def check(cache_dir, workdir, flags):
 
     return {"world_size": world, "rel_exact": rel(exact, upstream), "rel_jagg": rel(jagg, reference),
             "same_names": set(jagg) == set(reference), "ref_norm": sum(float(g.norm()) for g in reference.values()),
-            "stats": stats}
+            "stats": stats, "wan": wan_check(cache_dir, workdir, rel)}
+
+
+def wan_check(cache_dir, workdir, rel):
+    """Exact mode on the Wan stand-in under FSDP1, with --max_grad_norm small enough that the clip acts."""
+    from dancegrpo.utils.fsdp_util import full_gradients, wrap_fsdp
+    from jagg_patch.upstream import apply, load_trainer, revert
+    module = load_trainer(os.path.join(STANDIN, "fastvideo", "train_grpo_wan_2_1.py"))
+    from diffusers.models.transformers.transformer_wan import WanTransformerBlock
+    from fastvideo.utils.standin_setup import latent_reward, load_wan_transformer, standin_parser, wan_prompts
+    rank = dist.get_rank()
+    args = standin_parser().parse_args(
+        ["--cache_dir", cache_dir, "--output_dir", os.path.join(workdir, f"wan{rank}"), "--use_group",
+         "--num_generations", str(B), "--gradient_accumulation_steps", str(B), "--clip_range", "0.05",
+         "--max_grad_norm", "1e-4"])
+    batch = [next(wan_prompts(1)) for _ in range(rank + 1)][-1]
+    fsdp = wrap_fsdp(load_wan_transformer(torch.float32), [WanTransformerBlock], torch.device("cpu"))
+
+    def step():
+        torch.manual_seed(13 + rank)
+        optimizer = torch.optim.SGD(fsdp.parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        grads = []
+        optimizer.register_step_pre_hook(lambda *_: grads.append(full_gradients(fsdp)))
+        _, grad_norm = module.train_one_step(args, torch.device("cpu"), fsdp, None, latent_reward, None, optimizer,
+                                             scheduler, *batch, None, args.max_grad_norm, None)
+        return grads[0], grad_norm
+
+    upstream, upstream_norm = step()
+    apply(module, mode="exact")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exact, exact_norm = step()
+        step()
+    revert(module)
+    norms = torch.tensor([upstream_norm])
+    dist.all_reduce(norms)   # the ranks' shard norms differ: each clipped its shard by its own
+    return {"rel_exact": rel(exact, upstream), "norm_equal": exact_norm == upstream_norm,
+            "note_lines": printed.getvalue().count("each rank clips by the norm of its own shard"),
+            "norm_differs_over_ranks": abs(norms.item() / dist.get_world_size() - upstream_norm) > 1e-9}

@@ -131,3 +131,32 @@ def test_monitored_runs_get_their_cosines_per_position_plotted(tmp_path):
                                                   "1": {"steps": [1, 3], "cos": [0.7, 0.72]}}
     assert "jagg_cos" not in data["curves"]["vanilla"]
     assert (out / "jagg_cos.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_upstream_runs_read_as_this_trainers(tmp_path, capsys):
+    """jagg_patch.upstream's jagg_metrics.jsonl (its last run when a folder holds several), and a plain
+    upstream run's reward file (rewards only), beside this trainer's metrics.jsonl."""
+    vanilla = write_run(tmp_path / "vanilla", [1.0, 2.0, 3.0], [4.0, 4.0, 4.0], [1.0, 1.0, 1.0], COUNTS_VANILLA)
+    adapter = tmp_path / "upstream_jagg"
+    adapter.mkdir()
+    lines = [dict(step=s, run_id=run, reward_mean=r, reward_std=0.5, step_time_s=t, rollout_time_s=1.0,
+                  update_time_s=t - 1.0, **COUNTS_JAGG)
+             for run, rows in (("old", [(1, 9.0, 9.0)]), ("new", [(1, 1.5, 3.0), (2, 2.5, 2.0), (3, 3.5, 2.0)]))
+             for s, r, t in rows]
+    (adapter / "jagg_metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "hps_reward.txt").write_text("0.5000\n1.0000\n\n1.5000\n")
+    rows, curves = compare([vanilla, str(adapter), str(plain / "hps_reward.txt"), str(plain)],
+                           ["vanilla", "jagg", "file", "folder"], ma_window=2, skip_first=1)
+    warned = capsys.readouterr().err
+    assert "holds 2 runs; comparing the last one (run_id new)" in warned and "is a reward file" in warned
+    assert curves["jagg"]["reward"] == [1.5, 2.5, 3.5] and rows[1]["step_time_s"] == pytest.approx(2.0)
+    assert rows[1]["step_speedup_ratio"] == pytest.approx(2.0) and rows[1]["backwards_per_step"] == 20
+    assert curves["file"] == curves["folder"] == {"steps": [1, 2, 3], "reward": [0.5, 1.0, 1.5],
+                                                  "ma": [0.5, 0.75, 1.25]}
+    assert math.isnan(rows[2]["step_time_s"]) and rows[2]["final_ma_reward"] == pytest.approx(1.25)
+    (plain / "hps_reward.txt").write_text("0.5\nnan?\n")
+    with pytest.raises(SystemExit):
+        main([vanilla, str(plain), "--no_plots"])
+    assert "hps_reward.txt:2: not a reward" in capsys.readouterr().err

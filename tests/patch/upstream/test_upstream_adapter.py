@@ -1,17 +1,16 @@
 """jagg_patch.upstream on stand-ins of upstream's trainer files (tests/upstream_standin: upstream's
 names, signatures, return values, inline update loop and __main__ parser, written from the
-references, built on dancegrpo's SDE step and the tiny preset's models), in float64 on a one-rank
-gloo group:
+references, built on dancegrpo's SDE step and the tiny preset's models; `fastvideo/` a namespace
+package, the checkout never installed nor on PYTHONPATH), in float64 on a one-rank gloo group:
 - exact mode reproduces the stand-in's own train_one_step (gradient at every optimizer step,
-  returns, global RNG state afterwards), for the Flux, Flux LoRA and Qwen-Image signatures;
+  returns, global RNG state afterwards), for every trainer;
 - JAGG equals jagg_patch's own JAGG on this project's trainer for the same rollout and trained
   transitions (both alpha rules, every backward form), and its pass counts are hook-counted;
 - the fingerprint stops on a changed signature or rollout arity and warns on a changed body.
+Earlier releases, Qwen-Image-Edit and Wan 2.1: test_upstream_releases.py, test_upstream_video_edit.py.
 """
 import argparse
-import copy
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -29,33 +28,23 @@ from dancegrpo.build import TrainContext
 from dancegrpo.engines import FSDPEngine
 from jagg_patch import make_policy_update, make_window_selection
 from jagg_patch.upstream import (UpstreamChanged, UpstreamSourceChanged, apply, fingerprint, load_trainer, revert,
-                                 run_main_block, source_hash)
+                                 run_main_block, token_hash)
 from jagg_patch.upstream.fingerprint import family_of
+from jagg_patch.seams import UpstreamRelease
 from helpers import REPO_ROOT, dist_check, dist_id
+from upstream_harness import (B, FAMILY, FILES, GA, STANDIN, Standin, copy_checkout, forget_fastvideo, grad_of,
+                              recorded_rollout, rel, standin_file, standin_process_group)
 
 ROOT = REPO_ROOT
-STANDIN = os.path.join(ROOT, "tests", "upstream_standin")
-FILES = {"flux": "train_grpo_flux.py", "flux_lora": "train_grpo_flux_lora.py", "qwenimage": "train_grpo_qwenimage.py"}
-B, GA = 4, 2   # one prompt x 4 generations per step; two optimizer steps per step
-
-
-def standin_file(family):
-    return os.path.join(STANDIN, "fastvideo", FILES[family])
+# The stand-ins are no release of upstream's, so each apply warns (UpstreamSourceChanged); the tests
+# of that warning catch it themselves.
+pytestmark = pytest.mark.filterwarnings("ignore::jagg_patch.upstream.UpstreamSourceChanged")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_rank_group():
-    """Upstream's step needs a process group (it all-gathers, all-reduces and waits at barriers)."""
-    saved_path = list(sys.path)
-    sys.path.insert(0, STANDIN)
-    from fastvideo.utils.standin_setup import init_single_process_group
-    init_single_process_group()
-    yield
-    import torch.distributed as dist
-    dist.destroy_process_group()
-    sys.path[:] = saved_path
-    for name in [n for n in sys.modules if n == "fastvideo" or n.startswith("fastvideo.")]:
-        del sys.modules[name]
+    with standin_process_group():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -63,73 +52,43 @@ def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)   # upstream appends to ./reward.txt
 
 
-class Standin:
-    """A stand-in trainer module, its flags, one prompt batch, and a float64 transformer whose
-    starting weights every `step` restores."""
-
-    def __init__(self, family, cache_dir, tmp_path, *flags, transformer=None):
-        from fastvideo.utils.standin_setup import add_lora, load_transformer, prompt_batches, standin_parser
-        self.family = family
-        self.module = load_trainer(standin_file(family))
-        self.args = standin_parser().parse_args(
-            ["--cache_dir", cache_dir, "--output_dir", str(tmp_path / "out"), "--use_group", "--num_generations",
-             str(B), "--gradient_accumulation_steps", str(GA), "--clip_range", "0.05", "--max_grad_norm", "1e9",
-             *map(str, flags)])
-        kind = "qwenimage" if family == "qwenimage" else "flux"
-        loaded, data_json = load_transformer(kind, cache_dir, torch.float64)
-        self.transformer = transformer or loaded
-        if family == "flux_lora":
-            add_lora(self.transformer, 4).double()
-        self.initial = copy.deepcopy(self.transformer.state_dict())
-        self.batch = next(prompt_batches(kind, data_json, 1, torch.float64))
-
-    def step(self, seed=7):
-        """(returns, gradients at each optimizer step, global RNG state afterwards, weights afterwards)."""
-        from fastvideo.utils.standin_setup import latent_reward
-        torch.manual_seed(seed)
-        self.transformer.load_state_dict(self.initial)
-        self.transformer.zero_grad(set_to_none=True)
-        trainable = [p for p in self.transformer.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-        grads = []
-        optimizer.register_step_pre_hook(lambda *_: grads.append(grad_of(trainable)))
-        common = (self.args, torch.device("cpu"), self.transformer, None, latent_reward, None, optimizer, scheduler)
-        if self.family == "qwenimage":
-            embeds, masks, caption, length = self.batch
-            out = self.module.train_one_step(*common, embeds, masks, caption, length, None, self.args.max_grad_norm,
-                                             None, None)
-        else:
-            tail = (None,) if self.family == "flux" else ()
-            out = self.module.train_one_step(*common, iter([self.batch]), None, self.args.max_grad_norm, None, *tail)
-        return out, grads, torch.get_rng_state(), flat(p.detach() for p in trainable)
-
-
-def flat(tensors):
-    return torch.cat([t.reshape(-1) for t in tensors]).clone()
-
-
-def grad_of(params):
-    """The flat gradient; a parameter the loss does not reach (Qwen-Image has some) counts as 0."""
-    return flat(torch.zeros_like(p) if p.grad is None else p.grad for p in params)
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 # ---------------------------------------------------------------- loading and the launcher
 
-def test_load_trainer_runs_the_definitions_not_the_main_block(monkeypatch):
+def test_load_trainer_runs_the_definitions_not_the_main_block(tmp_path, monkeypatch):
+    """From a plain copy of the checkout (fastvideo/ without __init__.py, not installed, not on the path)."""
+    root = copy_checkout(tmp_path / "checkout")
+    assert not os.path.exists(os.path.join(root, "fastvideo", "__init__.py"))
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p != STANDIN])
-    module = load_trainer(standin_file("flux"))
+    module = load_trainer(standin_file("flux", root))
     assert module.__name__ == "fastvideo.train_grpo_flux" and callable(module.train_one_step)
     assert "MAIN_BLOCK_RAN" not in vars(module)
-    assert STANDIN in sys.path   # the checkout root: `fastvideo.*` imports resolve
+    assert sys.path[1] == root   # the checkout root, after the script's folder: `fastvideo.*` imports resolve
+    assert module.latent_reward.__module__ == "fastvideo.utils.standin_setup"
     with pytest.raises(SystemExit) as stop:   # the block itself: upstream's inline parser
         run_main_block(module, ["--help"])
     assert stop.value.code == 0 and vars(module)["MAIN_BLOCK_RAN"]
-    assert [family_of(load_trainer(standin_file(f))) for f in FILES] == list(FILES)
+    assert [family_of(load_trainer(standin_file(f, root))) for f in FILES] == [FAMILY[f] for f in FILES]
+
+
+def write_decoy(folder):
+    """Another checkout's fastvideo (installed, or on PYTHONPATH), whose helpers fail on import."""
+    utils = folder / "fastvideo" / "utils"
+    utils.mkdir(parents=True)
+    (utils / "__init__.py").write_text("")
+    (utils / "standin_setup.py").write_text("raise ImportError('the decoy checkout was imported')\n")
+    return str(folder)
+
+
+def test_the_file_given_decides_which_checkout_fastvideo_comes_from(tmp_path, monkeypatch):
+    decoy = write_decoy(tmp_path / "decoy")
+    (tmp_path / "decoy" / "fastvideo" / "utils" / "other.py").write_text("FROM = 'decoy'\n")
+    monkeypatch.setattr(sys, "path", [decoy, *sys.path])
+    forget_fastvideo()
+    import fastvideo.utils.other   # noqa: F401  (imported from the decoy before the trainer is loaded)
+    root = copy_checkout(tmp_path / "checkout")
+    module = load_trainer(standin_file("qwenimage", root))
+    assert module.latent_reward.__code__.co_filename.startswith(root)
+    assert "fastvideo.utils.other" not in sys.modules   # the other checkout's modules are forgotten
 
 
 def launch(*argv, cwd, path=()):
@@ -141,12 +100,15 @@ def launch(*argv, cwd, path=()):
 
 
 def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_path):
-    out = tmp_path / "run"
+    """A plain copy of the checkout, run from outside it, with another checkout's fastvideo on PYTHONPATH."""
+    out, root = tmp_path / "run", copy_checkout(tmp_path / "checkout")
     # JAGG flags before the file and among upstream's: upstream's strict parser would refuse any of them.
-    run = launch("--jagg_window", 4, "--jagg_frac", "auto", standin_file("flux"), "--cache_dir", cache_dir,
+    run = launch("--jagg_window", 4, "--jagg_frac", "auto", standin_file("flux", root), "--cache_dir", cache_dir,
                  "--output_dir", out, "--use_group", "--num_generations", B, "--jagg_backward", "split",
-                 "--gradient_accumulation_steps", B, "--max_train_steps", 2, cwd=tmp_path)
+                 "--gradient_accumulation_steps", B, "--max_train_steps", 2, cwd=tmp_path,
+                 path=[write_decoy(tmp_path / "decoy")])
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "jagg_patch.upstream: train_grpo_flux.py: family flux, train_one_step of no known release" in run.stdout
     assert "JAGG plan (grouping trained, alpha timestep, backward split" in run.stdout
     assert "step 2 loss" in run.stdout   # upstream's own main ran its loop
     lines = [json.loads(line) for line in (out / "jagg_metrics.jsonl").read_text().splitlines()]
@@ -163,9 +125,7 @@ def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_p
 def test_launcher_stops_on_a_changed_upstream_before_loading_models(tmp_path):
     changed = write_changed(tmp_path, "flux", "def grpo_one_step(args, latents, pre_latents,",
                             "def grpo_one_step(args, latents, next_latents,")
-    # The changed copy stands outside the stand-in checkout, whose `fastvideo` it imports.
-    run = launch("--jagg_window", 4, changed, "--cache_dir", tmp_path, "--output_dir", tmp_path / "o", cwd=tmp_path,
-                 path=[STANDIN])
+    run = launch("--jagg_window", 4, changed, "--cache_dir", tmp_path, "--output_dir", tmp_path / "o", cwd=tmp_path)
     assert run.returncode == 2
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("error: upstream changed") and "grpo_one_step" in last and "next_latents" in last
@@ -174,9 +134,9 @@ def test_launcher_stops_on_a_changed_upstream_before_loading_models(tmp_path):
 
 # ---------------------------------------------------------------- exact mode == upstream's own step
 
-@pytest.mark.parametrize("family", list(FILES))
-def test_exact_mode_reproduces_upstreams_own_step(family, cache_dir, tmp_path):
-    standin = Standin(family, cache_dir, tmp_path)
+@pytest.mark.parametrize("key", list(FILES))
+def test_exact_mode_reproduces_upstreams_own_step(key, cache_dir, tmp_path):
+    standin = Standin(key, cache_dir, tmp_path)
     (loss, norm), grads, rng, weights = standin.step()
     apply(standin.module, mode="exact")
     try:
@@ -192,8 +152,10 @@ def test_exact_mode_reproduces_upstreams_own_step(family, cache_dir, tmp_path):
     assert abs(loss2 - loss) < 1e-14 and abs(norm2 - norm) <= 1e-12 * norm
     assert rel(weights2, weights) < 1e-12
     n = int((8 - 1) * 0.6)
+    # Wan's calls are classifier-free guided (--cfg_infer 5): one call on a doubled batch counts once per sample
     assert stats["transformer_forwards_grad"] == stats["transformer_backwards"] == B * n
     assert stats["transformer_forwards_nograd"] == B * 8   # the rollout
+    assert (tmp_path / "reward.txt").read_text() == f"{stats['reward_mean']:.4f}\n" * 2   # upstream's line, then ours
     assert (stats["exact_groups"], stats["jagg_groups"], stats["transformer_forwards_reused"]) == (B, 0, 0)
 
 
@@ -210,20 +172,6 @@ def project_context(make_args, family, transformer):
                         vae=None, reward_fn=None, loader=None, device=torch.device("cpu"), counter=None,
                         sigmas=sigmas, timesteps=model_timesteps(sigmas),
                         engine=FSDPEngine(transformer, None, None, args.max_grad_norm))
-
-
-def recorded_rollout(module):
-    """Wrap module.sample_reference_model: keep its result and the global RNG state right after it."""
-    box = {}
-    original = module.sample_reference_model
-
-    @functools.wraps(original)
-    def recording(*args, **kwargs):
-        box["result"] = original(*args, **kwargs)
-        box["rng"] = torch.get_rng_state()
-        return box["result"]
-    module.sample_reference_model = recording
-    return box, original
 
 
 def project_cond(family, batch):
@@ -299,6 +247,11 @@ def test_counts_by_hooks_and_the_metrics_line(cache_dir, tmp_path):
     assert reused["transformer_forwards_nograd"] == B * 8 + (B - GA)
     lines = [json.loads(line) for line in (tmp_path / "out" / "jagg_metrics.jsonl").read_text().splitlines()]
     assert {k: lines[0][k] for k in stats} == stats and lines[1]["reuse"] == "on_policy"
+    # the gathered reward, as upstream's ./reward.txt has it (its mean) and its spread, for the comparison
+    assert [f"{line['reward_mean']:.4f}" for line in lines] == (tmp_path / "reward.txt").read_text().split()
+    assert all(line["reward_std"] > 0 for line in lines)
+    from jagg_patch.tools.compare import load_metrics
+    assert load_metrics(str(tmp_path / "out"), warn=lambda message: None) == [lines[1]]   # the last run
 
 
 def test_the_monitor_measures_what_it_measures_on_this_trainer_and_leaves_the_step(cache_dir, tmp_path, make_args):
@@ -372,11 +325,38 @@ def test_a_rollout_that_does_not_match_its_latents_is_not_reused():
         for b in range(2):
             for k in range(2):
                 model(latents[b:b + 1, k])
-    assert torch.equal(recorder.outputs(latents)[1, 0], model(latents[1:2, 0]).detach()[0])
+    assert torch.equal(recorder.outputs(latents)[1, 0], model(latents[1:2, 0]).detach())
     with RolloutRecorder(model) as recorder:
         for b in range(2):
             for k in range(2):
                 model(latents[b:b + 1, k] + (b == 1 and k == 1))   # one call fed something else
+    with pytest.warns(UserWarning, match="not reused this step"):
+        assert recorder.outputs(latents) is None
+
+
+def test_guided_calls_on_chunks_with_condition_tokens_are_laid_out_per_sample():
+    """A call on 2 samples of a guided trainer holds their 2 conditional rows, then their 2
+    unconditional ones, each followed by 2 condition tokens: sample b's output at step k is its rows
+    (b, 2 + b), as a call on sample b alone returns them."""
+    from jagg_patch.upstream.rollout_record import RolloutRecorder
+    model = torch.nn.Linear(3, 3)
+    latents, condition = torch.randn(4, 3, 4, 3), torch.randn(4, 2, 3)   # 4 samples, S = 2, 4 tokens (+ 2)
+
+    def call(rows, k, perturb=0.0):
+        x = torch.cat([latents[rows, k], condition[rows]], dim=1)
+        return model(torch.cat([x, x + perturb]))   # the unconditional rows: another input, the same latents
+
+    with RolloutRecorder(model, rows=2) as recorder:
+        for chunk in ([0, 1], [2, 3]):
+            for k in range(2):
+                call(chunk, k, perturb=torch.zeros(1, 6, 3).index_fill_(1, torch.tensor([5]), 1.0))
+    outputs = recorder.outputs(latents)
+    alone = call([3], 1, perturb=torch.zeros(1, 6, 3).index_fill_(1, torch.tensor([5]), 1.0)).detach()
+    assert outputs.shape == (4, 2, 2, 6, 3) and torch.allclose(outputs[3, 1], alone, rtol=0, atol=1e-6)
+    with RolloutRecorder(model, rows=2) as recorder:
+        for chunk in ([0, 1], [2, 3]):
+            for k in range(2):
+                call(chunk, k, perturb=1.0)   # the second block no longer begins with the stored latents
     with pytest.warns(UserWarning, match="not reused this step"):
         assert recorder.outputs(latents) is None
 
@@ -397,15 +377,15 @@ def test_reused_rollout_outputs_give_the_recomputed_gradient(cache_dir, tmp_path
 
 # ---------------------------------------------------------------- the fingerprint
 
-def write_changed(tmp_path, family, old, new):
-    """A copy of a stand-in file with one edit, in a folder of its own."""
+def write_changed(tmp_path, key, old, new):
+    """A copy of the stand-in checkout with one edit in one file, in a folder of its own."""
     folder = tmp_path / "changed"
-    folder.mkdir(exist_ok=True)
-    with open(standin_file(family)) as f:
+    path = standin_file(key, copy_checkout(folder) if not folder.exists() else str(folder))
+    with open(path) as f:
         text = f.read()
     assert old in text
-    path = folder / FILES[family]
-    path.write_text(text.replace(old, new, 1))
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
     return path
 
 
@@ -431,21 +411,27 @@ def test_a_changed_rollout_arity_stops(tmp_path):
 
 def test_a_changed_body_warns_naming_the_function_and_runs(tmp_path):
     pristine = load_trainer(standin_file("qwenimage"))
-    recorded = {("qwenimage", "train_one_step"): source_hash(pristine.train_one_step)}
+    params = tuple(__import__("inspect").signature(pristine.train_one_step).parameters)
+    recorded = (UpstreamRelease(token_hash(pristine.train_one_step), "qwenimage", "the stand-in", params,
+                                "./reward.txt"),)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        apply(pristine, source_hashes=recorded)   # the recorded source: no warning
+        apply(pristine, releases=recorded)   # the recorded source: no warning
+    assert pristine.train_one_step.jagg_trainer.release is recorded[0]
     revert(pristine)
     # A comment or layout change is not a change of the source.
     relaid = load_trainer(write_changed(tmp_path, "qwenimage", "    total_loss = 0.0\n",
                                         "    # upstream's running loss\n\n    total_loss = 0.0\n"))
-    assert source_hash(relaid.train_one_step) == recorded[("qwenimage", "train_one_step")]
+    assert token_hash(relaid.train_one_step) == recorded[0].token_hash
     changed = load_trainer(write_changed(tmp_path, "qwenimage", "    total_loss = 0.0\n", "    total_loss = 0.0 * 1\n"))
-    with pytest.warns(UpstreamSourceChanged, match="train_one_step .*docs/upstream_adapter.md"):
-        apply(changed, source_hashes=recorded)
-    assert changed.train_one_step.jagg_family == "qwenimage"   # and it runs
+    with pytest.warns(UpstreamSourceChanged) as warned:
+        apply(changed, releases=recorded)
+    message = str(warned[0].message)
+    assert "train_one_step" in message and 'docs/upstream_adapter.md, "When the fingerprint fires"' in message
+    assert "the nearest known is qwenimage the stand-in" in message
+    assert changed.train_one_step.jagg_family == "qwenimage" and changed.train_one_step.jagg_trainer.release is None
     revert(changed)
-    assert fingerprint(changed)["source_hashes"]["train_one_step"] != recorded[("qwenimage", "train_one_step")]
+    assert fingerprint(changed)["token_hash"] != recorded[0].token_hash
 
 
 def test_qwenimage_without_use_group_is_refused_before_the_rollout(cache_dir, tmp_path):
@@ -466,7 +452,7 @@ def test_preflight_refuses_what_upstream_would_fail_on_before_main_loads_anythin
     from jagg_patch.upstream.__main__ import jagg_parser, preflight
     jagg = jagg_parser().parse_args([])
     qwen = argparse.Namespace(use_group=False, train_batch_size=4, num_generations=4, gradient_accumulation_steps=4,
-                              sampling_steps=8, timestep_fraction=0.6, h=64, w=64)
+                              sampling_steps=8, timestep_fraction=0.6, h=64, w=64, clip_range=1e-4, adv_clip_max=5.0)
     with pytest.raises(SystemExit) as stop:
         preflight(qwen, jagg, "qwenimage")
     assert stop.value.code == 2 and "add --use_group" in capsys.readouterr().err
@@ -483,8 +469,10 @@ def test_fingerprint_command_prints_what_to_record(capsys):
     assert main(["--jagg_fingerprint", standin_file("flux_lora")]) == 0
     printed = capsys.readouterr().out
     module = load_trainer(standin_file("flux_lora"))
-    assert "'family': 'flux_lora'" in printed and source_hash(module.train_one_step) in printed
-    assert "'pre_latents'" in printed
+    assert "family: flux\n" in printed and f"train_one_step token hash: {token_hash(module.train_one_step)}" in printed
+    assert "known release: none" in printed and "'pre_latents'" in printed and "reward file: ./reward.txt" in printed
+    record = printed.strip().splitlines()[-1]   # the line to put in jagg_patch.seams.UPSTREAM_RELEASES
+    assert record.startswith(f"  UpstreamRelease('{token_hash(module.train_one_step)}', 'flux', ")
 
 
 # ---------------------------------------------------------------- FSDP, as upstream wraps its transformer
@@ -502,3 +490,7 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     stats = result["stats"]
     assert stats["backward_calls"] == B and stats["transformer_backwards"] == 2 * B
     assert stats["transformer_forwards_reused"] == 2 * B and stats["jagg_groups"] == B
+    # Wan under FSDP1: exact mode clips each rank's shard by its own norm, as upstream's clip_grad_norm_ does
+    wan = result["wan"]
+    assert wan["rel_exact"] < 1e-6 and wan["norm_equal"] and wan["norm_differs_over_ranks"], wan
+    assert wan["note_lines"] == 1, wan   # rank 0's result: the line once in two steps

@@ -32,7 +32,7 @@ def run_sample_step(args, z, progress_bar, sigma_schedule, transformer, encoder_
 
 
 def sample_reference_model(args, device, transformer, vae, encoder_hidden_states, prompt_attention_masks,
-                           reward_model, tokenizer, caption, preprocess_val):
+                           original_length, reward_model, tokenizer, caption, preprocess_val):
     sigma_schedule = sd3_time_shift(args.shift, torch.linspace(1, 0, args.sampling_steps + 1))
     B = encoder_hidden_states.shape[0]
     latent_h, latent_w = args.h // 8, args.w // 8
@@ -45,7 +45,7 @@ def sample_reference_model(args, device, transformer, vae, encoder_hidden_states
         if not args.init_same_noise:
             input_latents = torch.randn((1, 1, 16, latent_h, latent_w), device=device, dtype=FLOAT)
         input_latents_new = pack_latents(input_latents.reshape(1, 16, latent_h, latent_w), 1, 16, latent_h, latent_w)
-        txt_seq_lens = prompt_attention_masks[batch_idx].sum(dim=1).tolist()
+        txt_seq_lens = original_length[batch_idx].tolist()
         length = max(txt_seq_lens)
         with torch.no_grad():
             z, latents, batch_latents, batch_log_probs = run_sample_step(
@@ -89,8 +89,8 @@ def train_one_step(args, device, transformer, vae, reward_model, tokenizer, opti
         else:
             raise ValueError(f"Unsupported caption type: {type(caption)}")
     reward, all_latents, all_log_probs, sigma_schedule, all_txt_seq_lens = sample_reference_model(
-        args, device, transformer, vae, encoder_hidden_states, prompt_attention_masks, reward_model, tokenizer,
-        caption, preprocess_val)
+        args, device, transformer, vae, encoder_hidden_states, prompt_attention_masks, original_length, reward_model,
+        tokenizer, caption, preprocess_val)
     batch_size = all_latents.shape[0]
     timestep_value = [int(sigma * 1000) for sigma in sigma_schedule][:args.sampling_steps]
     timesteps = torch.tensor([timestep_value[:] for _ in range(batch_size)], device=all_latents.device,

@@ -84,7 +84,9 @@ def standin_parser():
     parser = argparse.ArgumentParser()
     parser.add_argument("--cache_dir", required=True)
     parser.add_argument("--output_dir", required=True)
-    for name, kind, default in (("h", int, 64), ("w", int, 64), ("sampling_steps", int, 8), ("eta", float, 0.3),
+    for name, kind, default in (("h", int, 64), ("w", int, 64), ("t", int, 2), ("condition_h", int, 48),
+                                ("condition_w", int, 32), ("cfg_infer", float, 5.0),
+                                ("sampling_steps", int, 8), ("eta", float, 0.3),
                                 ("shift", float, 3.0), ("seed", int, 42), ("train_batch_size", int, 1),
                                 ("num_generations", int, 4), ("timestep_fraction", float, 0.6),
                                 ("clip_range", float, 1e-4), ("adv_clip_max", float, 5.0),
@@ -108,6 +110,56 @@ def standin_run_objects(family, args, dtype, lora=False):
     os.makedirs(args.output_dir, exist_ok=True)
     return torch.device("cpu"), transformer, optimizer, lr_scheduler, prompt_batches(family, data_json,
                                                                                       args.train_batch_size, dtype)
+
+
+def condition_images(batch_size, height, width, dtype=torch.float32, seed=3):
+    """(calculated_height, calculated_width, image_latents) of Qwen-Image-Edit's condition images:
+    pixel sizes per prompt and fixed packed latents [B, (height/16)(width/16), 64]."""
+    g = torch.Generator().manual_seed(seed)
+    latents = torch.randn(batch_size, (height // 16) * (width // 16), 64, generator=g, dtype=torch.float64)
+    sizes = torch.full((batch_size,), height), torch.full((batch_size,), width)
+    return sizes[0], sizes[1], latents.to(dtype)
+
+
+WAN_TEXT_DIM, WAN_TEXT_TOKENS = 32, 7
+
+
+def load_wan_transformer(dtype=torch.float32, seed=0):
+    """A tiny diffusers WanTransformer3DModel (16 latent channels, patches (1, 2, 2)), drawn from `seed`."""
+    from diffusers import WanTransformer3DModel
+    default = torch.get_default_dtype()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)   # built in its dtype: a cast afterwards makes diffusers warn
+        try:
+            return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                         in_channels=16, out_channels=16, text_dim=WAN_TEXT_DIM, freq_dim=32,
+                                         ffn_dim=32, num_layers=1, rope_max_seq_len=64)
+        finally:
+            torch.set_default_dtype(default)
+
+
+def wan_prompts(batch_size, dtype=torch.float32, seed=5):
+    """Endless (encoder_hidden_states, negative_prompt_embeds, captions) batches of fixed embeddings."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randn(4, WAN_TEXT_TOKENS, WAN_TEXT_DIM, generator=g, dtype=torch.float64).to(dtype)
+    negative = torch.randn(1, WAN_TEXT_TOKENS, WAN_TEXT_DIM, generator=g, dtype=torch.float64).to(dtype)
+    start = 0
+    while True:
+        rows = [(start + i) % len(prompts) for i in range(batch_size)]
+        start += batch_size
+        yield prompts[rows], negative.expand(batch_size, -1, -1).clone(), [f"a video of prompt {r}" for r in rows]
+
+
+def wan_run_objects(args, dtype):
+    """(device, transformer, optimizer, lr_scheduler, prompt batches) as upstream's Wan main builds them."""
+    torch.manual_seed(args.seed)
+    init_single_process_group()
+    transformer = load_wan_transformer(dtype)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.learning_rate)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    os.makedirs(args.output_dir, exist_ok=True)
+    return torch.device("cpu"), transformer, optimizer, lr_scheduler, wan_prompts(args.train_batch_size, dtype)
 
 
 def add_lora(transformer, rank, seed=0):

@@ -1,0 +1,159 @@
+"""jagg_patch.upstream on upstream's Qwen-Image-Edit and Wan 2.1 trainers (stand-ins on a tiny
+diffusers QwenImageTransformer2DModel with a condition image and a tiny WanTransformer3DModel with 2
+frames, float64, one rank): JAGG W 4 == an independent float64 reference built from each stand-in's
+own grpo_one_step (Wan with classifier-free guidance, whose doubled call's rows the batched backward
+splits, and without; with and without --use_group), exact mode == the stand-in's own step where the
+adapter module does not check it, the counts, rollout reuse of the raw (doubled, condition-token)
+outputs, and the checks that tell these trainers apart or refuse bad input before the rollout."""
+
+import pytest
+import torch
+
+from jagg_patch.upstream import UpstreamUnsupported, apply, load_trainer, revert
+from jagg_patch.upstream.fingerprint import family_of
+from upstream_harness import (B, GA, Standin, copy_checkout, recorded_rollout, reference_jagg_gradient, rel,
+                              standin_file, standin_process_group)
+
+pytestmark = pytest.mark.filterwarnings("ignore::jagg_patch.upstream.UpstreamSourceChanged")
+S, N = 8, 4   # sampling steps; trained transitions per sample (int(7 * 0.6))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    with standin_process_group():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # upstream appends to ./reward.txt
+
+
+def upstream_advantages(rewards, grouped):
+    r = rewards.float()
+    if not grouped:
+        return (r - r.mean()) / (r.std() + 1e-8)
+    r = r.reshape(-1, B)
+    return ((r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + 1e-8)).reshape(-1)
+
+
+# Wan's blocks compute their modulation in float32 (diffusers casts with .float()), so where the two
+# endpoints share one graph (batched) a parameter's gradient is summed over them in float32 first.
+CASES = [("qwenimage_edit", (), True, "joint", "timestep", 1e-10),
+         ("qwenimage_edit", (), True, "batched", "index", 1e-10),
+         ("wan", (), True, "joint", "timestep", 1e-10),
+         ("wan", (), True, "batched", "timestep", 1e-7),
+         ("wan", ("--cfg_infer", 1.0), True, "split", "index", 1e-10),
+         ("wan", (), False, "joint", "timestep", 1e-10),
+         ("wan", ("--cfg_infer", 1.0), False, "batched", "timestep", 1e-7)]
+
+
+@pytest.mark.parametrize("key, flags, grouped, backward, alpha, tolerance", CASES,
+                         ids=[f"{k}-{'cfg1' if f else 'cfg5' if k == 'wan' else 'cond'}-{'group' if g else 'nogroup'}-"
+                              f"{b}-{a}" for k, f, g, b, a, _ in CASES])
+def test_jagg_equals_the_independent_reference(key, flags, grouped, backward, alpha, tolerance, cache_dir, tmp_path):
+    """W 4 over each sample's 4 trained transitions (one group), GA B (one optimizer step)."""
+    standin = Standin(key, cache_dir, tmp_path, "--gradient_accumulation_steps", B, *flags, group=grouped)
+    box, original = recorded_rollout(standin.module)
+    apply(standin.module, window=4, jagg_frac=1.0, backward=backward, alpha=alpha, reuse="off")
+    try:
+        _, (adapter_grad,), _, _ = standin.step()
+        stats = standin.module.train_one_step.last_stats
+    finally:
+        revert(standin.module)
+        standin.module.sample_reference_model = original
+    result = box["result"]
+    torch.set_rng_state(box["rng"])
+    steps = torch.stack([torch.randperm(S - 1) for _ in range(B)])[:, :N]
+    standin.transformer.load_state_dict(standin.initial)
+    reference = reference_jagg_gradient(standin, result, steps, upstream_advantages(result[0], grouped), B * N,
+                                        alpha)
+    assert rel(adapter_grad, reference) < tolerance
+    assert (stats["jagg_groups"], stats["transformer_backwards"], stats["transformer_forwards_grad"]) == (B, 2 * B,
+                                                                                                         2 * B)
+    # one transformer call per rollout step and per member, whatever its rows (a guided call holds 2 per sample)
+    assert stats["transformer_forwards_nograd"] == B * S + B * (N - 2)
+
+
+@pytest.mark.parametrize("flags, grouped", [(("--cfg_infer", 1.0), True), ((), False)], ids=["cfg1", "nogroup"])
+def test_wan_exact_mode_is_its_own_step_unguided_and_without_groups(flags, grouped, cache_dir, tmp_path):
+    standin = Standin("wan", cache_dir, tmp_path, *flags, group=grouped)
+    (loss, norm), grads, rng, weights = standin.step()
+    apply(standin.module, mode="exact")
+    try:
+        (loss2, norm2), grads2, rng2, weights2 = standin.step()
+    finally:
+        revert(standin.module)
+    assert len(grads2) == B // GA and all(rel(g2, g) < 1e-12 for g, g2 in zip(grads, grads2))
+    assert torch.equal(rng, rng2) and abs(loss2 - loss) < 1e-14 and abs(norm2 - norm) <= 1e-12 * norm
+
+
+@pytest.mark.parametrize("key", ["qwenimage_edit", "wan"])
+def test_rollout_reuse_takes_the_raw_outputs_and_gives_the_recomputed_gradient(key, cache_dir, tmp_path):
+    """The recorded outputs hold the condition image's tokens (Edit) or both halves of the guided call,
+    laid out per sample from the rollout's chunks of 2 (Wan): the gradient is the recomputed one."""
+    standin = Standin(key, cache_dir, tmp_path)
+    results, stats = {}, {}
+    try:
+        for reuse in ("off", "on_policy"):
+            apply(standin.module, window=4, jagg_frac=1.0, reuse=reuse, backward="joint")
+            results[reuse] = standin.step()
+            stats[reuse] = standin.module.train_one_step.last_stats
+    finally:
+        revert(standin.module)
+    assert stats["off"]["transformer_forwards_reused"] == 0
+    assert stats["on_policy"]["transformer_forwards_reused"] == 2 * GA   # the samples before the first step
+    assert stats["on_policy"]["transformer_forwards_nograd"] == stats["off"]["transformer_forwards_nograd"] - 2 * GA
+    assert all(rel(a, b) < 1e-12 for a, b in zip(results["on_policy"][1], results["off"][1]))
+
+
+def test_the_trainers_are_told_apart_and_the_others_refused_in_one_line(tmp_path):
+    root = copy_checkout(tmp_path / "checkout")
+    assert family_of(load_trainer(standin_file("qwenimage_edit", root))) == "qwenimage_edit"   # Qwen's, plus three
+    assert family_of(load_trainer(standin_file("wan", root))) == "wan"
+    supported = ("train_grpo_flux.py, train_grpo_flux_lora.py, train_grpo_qwenimage.py, "
+                 "train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py")
+    for name, what in (("train_grpo_hunyuan.py", "HunyuanVideo"), ("train_grpo_skyreels_i2v.py", "SkyReels"),
+                       ("train_grpo_sd.py", "Stable Diffusion")):
+        path = tmp_path / "checkout" / "fastvideo" / name   # a Flux-like train_one_step: refused by its file name
+        path.write_text(open(standin_file("flux")).read())
+        with pytest.raises(UpstreamUnsupported) as refused:
+            apply(load_trainer(path))
+        assert "\n" not in str(refused.value) and what in str(refused.value) and supported in str(refused.value)
+    other = tmp_path / "checkout" / "fastvideo" / "train_grpo_other.py"
+    other.write_text("def train_one_step(args, transformer, batch):\n    pass\n")
+    with pytest.raises(UpstreamUnsupported, match="matches none of upstream's trainers"):
+        apply(load_trainer(other))
+
+
+def test_wan_refuses_a_negative_prompt_without_a_row_per_sample_before_the_rollout(cache_dir, tmp_path):
+    standin = Standin("wan", cache_dir, tmp_path)
+    prompt, negative, caption = standin.batch
+    standin.batch = (torch.cat([prompt, prompt]), negative, caption * 2)   # 2 prompts, 1 negative row
+    box, original = recorded_rollout(standin.module)
+    apply(standin.module)
+    try:
+        with pytest.raises(ValueError, match="negative_prompt_embeds with 4 rows for 8 samples"):
+            standin.step()
+    finally:
+        revert(standin.module)
+        standin.module.sample_reference_model = original
+    assert box == {}   # no rollout ran
+
+
+def test_the_launcher_refuses_missing_flags_and_wan_without_cfg_infer_before_main(capsys):
+    import argparse
+    from jagg_patch.upstream.__main__ import jagg_parser, preflight
+    args = argparse.Namespace(use_group=True, train_batch_size=1, num_generations=4, gradient_accumulation_steps=4,
+                              sampling_steps=8, timestep_fraction=0.6, h=32, w=32, clip_range=1e-4)
+    with pytest.raises(SystemExit) as stop:   # a parser without a flag the restated step reads
+        preflight(args, jagg_parser().parse_args([]), "wan")
+    assert stop.value.code == 2 and "upstream's parser gave no --adv_clip_max" in capsys.readouterr().err
+    args.adv_clip_max = 5.0
+    with pytest.raises(SystemExit) as stop:
+        preflight(args, jagg_parser().parse_args([]), "wan")
+    assert stop.value.code == 2 and "--cfg_infer" in capsys.readouterr().err
+    preflight(argparse.Namespace(**vars(args), cfg_infer=5.0), jagg_parser().parse_args([]), "wan")
+    plan = capsys.readouterr().out
+    assert "JAGG plan" in plan and "not set by the flags alone" in plan   # video outputs: no MiB claimed
+    assert "timestep alpha: t = int(sigma * 1000) / 1000" in plan

@@ -1,0 +1,229 @@
+"""The upstream stand-ins (tests/upstream_standin: a checkout of upstream's layout, `fastvideo/` a
+namespace package without __init__.py, never installed nor on PYTHONPATH) as the tests drive them:
+one train_one_step with the gradients read at every optimizer step, the rollout it drew, and an
+independent float64 reference of JAGG built from the stand-in's own grpo_one_step."""
+import contextlib
+import copy
+import functools
+import importlib
+import inspect
+import os
+import shutil
+import sys
+
+import torch
+
+from helpers import REPO_ROOT
+
+STANDIN = os.path.join(REPO_ROOT, "tests", "upstream_standin")
+# The stand-in trainers, by a key of their own; the family the adapter tells them apart as.
+FILES = {"flux": "train_grpo_flux.py", "flux_lora": "train_grpo_flux_lora.py", "qwenimage": "train_grpo_qwenimage.py",
+         "qwenimage_edit": "train_grpo_qwenimage_edit.py", "wan": "train_grpo_wan_2_1.py"}
+FAMILY = {"flux": "flux", "flux_lora": "flux", "qwenimage": "qwenimage", "qwenimage_edit": "qwenimage_edit",
+          "wan": "wan"}
+B, GA = 4, 2   # one prompt x 4 generations per step; two optimizer steps per step
+
+
+def standin_file(key, root=STANDIN):
+    return os.path.join(root, "fastvideo", FILES[key])
+
+
+def standin_setup():
+    """The stand-ins' fastvideo.utils.standin_setup, from the checkout a load_trainer put first."""
+    return importlib.import_module("fastvideo.utils.standin_setup")
+
+
+def copy_checkout(dest):
+    """A copy of the stand-in checkout in a plain folder (not installed, not on any path)."""
+    shutil.copytree(os.path.join(STANDIN, "fastvideo"), os.path.join(dest, "fastvideo"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    return str(dest)
+
+
+def forget_fastvideo():
+    for name in [n for n in sys.modules if n == "fastvideo" or n.startswith("fastvideo.")]:
+        del sys.modules[name]
+
+
+@contextlib.contextmanager
+def standin_process_group():
+    """Upstream's step needs a process group (it all-gathers, all-reduces and waits at barriers): a
+    one-rank gloo group while inside. The stand-in checkout is not put on sys.path by hand:
+    load_trainer puts it there, as it does for a user's checkout."""
+    from jagg_patch.upstream import load_trainer
+    saved_path = list(sys.path)
+    load_trainer(standin_file("flux"))
+    standin_setup().init_single_process_group()
+    try:
+        yield
+    finally:
+        import torch.distributed as dist
+        dist.destroy_process_group()
+        sys.path[:] = saved_path
+        forget_fastvideo()
+
+
+def flat(tensors):
+    return torch.cat([t.reshape(-1) for t in tensors]).clone()
+
+
+def grad_of(params):
+    """The flat gradient; a parameter the loss does not reach (Qwen-Image has some) counts as 0."""
+    return flat(torch.zeros_like(p) if p.grad is None else p.grad for p in params)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+class Standin:
+    """A stand-in trainer module (loaded with jagg_patch.upstream.load_trainer), its flags, one prompt
+    batch, and a float64 transformer whose starting weights every `step` restores."""
+
+    def __init__(self, key, cache_dir, tmp_path, *flags, path=None, group=True):
+        from jagg_patch.upstream import load_trainer
+        self.key, self.family = key, FAMILY[key]
+        self.module = load_trainer(path or standin_file(key))
+        setup = standin_setup()
+        self.args = setup.standin_parser().parse_args(
+            ["--cache_dir", cache_dir, "--output_dir", str(tmp_path / "out"), "--num_generations", str(B),
+             "--gradient_accumulation_steps", str(GA), "--clip_range", "0.05", "--max_grad_norm", "1e9",
+             *(["--use_group"] if group else []), *map(str, flags)])
+        if self.family == "wan":
+            self.transformer = setup.load_wan_transformer(torch.float64)
+            self.batch = next(setup.wan_prompts(1 if group else B, torch.float64))
+        else:
+            kind = "flux" if self.family == "flux" else "qwenimage"
+            self.transformer, data_json = setup.load_transformer(kind, cache_dir, torch.float64)
+            self.batch = next(setup.prompt_batches(kind, data_json, 1, torch.float64))
+            if key == "flux_lora":
+                setup.add_lora(self.transformer, 4).double()
+            if self.family == "qwenimage_edit":
+                self.batch = (*self.batch, *setup.condition_images(1, self.args.condition_h, self.args.condition_w,
+                                                                   torch.float64))
+        self.initial = copy.deepcopy(self.transformer.state_dict())
+
+    def trainable(self):
+        return [p for p in self.transformer.parameters() if p.requires_grad]
+
+    def arguments(self, optimizer, scheduler):
+        """train_one_step's arguments, positionally, as upstream's main passes them."""
+        setup = standin_setup()
+        common = (self.args, torch.device("cpu"), self.transformer, None, setup.latent_reward, None, optimizer,
+                  scheduler)
+        tail = (None, self.args.max_grad_norm, None)
+        ema = (None,) if "ema_handler" in inspect.signature(self.module.train_one_step).parameters else ()
+        prompts = (iter([self.batch]),) if self.family == "flux" else self.batch
+        return (*common, *prompts, *tail, *ema)
+
+    def step(self, seed=7):
+        """(returns, gradients at each optimizer step, global RNG state afterwards, weights afterwards)."""
+        torch.manual_seed(seed)
+        self.transformer.load_state_dict(self.initial)
+        self.transformer.zero_grad(set_to_none=True)
+        trainable = self.trainable()
+        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        grads = []
+        optimizer.register_step_pre_hook(lambda *_: grads.append(grad_of(trainable)))
+        out = self.module.train_one_step(*self.arguments(optimizer, scheduler))
+        return out, grads, torch.get_rng_state(), flat(p.detach() for p in trainable)
+
+
+def recorded_rollout(module):
+    """Wrap module.sample_reference_model: keep its result and the global RNG state right after it."""
+    box = {}
+    original = module.sample_reference_model
+
+    @functools.wraps(original)
+    def recording(*args, **kwargs):
+        box["result"] = original(*args, **kwargs)
+        box["rng"] = torch.get_rng_state()
+        return box["result"]
+    module.sample_reference_model = recording
+    return box, original
+
+
+# ---------------------------------------------------------------- an independent reference of JAGG
+
+def sample_kwargs(standin, result, i):
+    """grpo_one_step's conditioning arguments for sample i, as each stand-in's own train_one_step
+    builds them (written here again, apart from jagg_patch.upstream.families)."""
+    n, family, batch, args = B, standin.family, standin.batch, standin.args
+    rep = (lambda t: t.repeat_interleave(n, dim=0)) if args.use_group else (lambda t: t)
+    if family == "flux":
+        return {"encoder_hidden_states": rep(batch[0])[i:i + 1], "pooled_prompt_embeds": rep(batch[1])[i:i + 1],
+                "text_ids": rep(batch[2])[i:i + 1], "image_ids": result[4][i:i + 1]}
+    if family == "wan":
+        return {"encoder_hidden_states": rep(batch[0])[i:i + 1], "negative_prompt_embeds": rep(batch[1])[i:i + 1]}
+    length = int(rep(batch[3])[i])
+    values = {"encoder_hidden_states": rep(batch[0])[i:i + 1, :length],
+              "prompt_attention_masks": rep(batch[1])[i:i + 1, :length], "txt_seq_lens": result[4][i],
+              "img_shapes": [[(1, args.h // 16, args.w // 16)]]}
+    if family == "qwenimage_edit":
+        values["img_shapes"] = [[(1, args.h // 16, args.w // 16),
+                                 (1, int(batch[4][0]) // 16, int(batch[5][0]) // 16)]]
+        values["image_latents"] = result[5][i:i + 1]
+    return values
+
+
+class _Recording:
+    """The transformer for grpo_one_step, keeping its raw output (train() / eval() pass through)."""
+
+    def __init__(self, model, fixed=None):
+        self.model, self.fixed, self.output = model, fixed, None
+
+    def __call__(self, *args, **kwargs):
+        if self.fixed is not None:
+            return (self.fixed,)
+        self.output = self.model(*args, **kwargs)[0]
+        return (self.output,)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def reference_jagg_gradient(standin, result, steps, advantages, normaliser, alpha="timestep"):
+    """sum over samples of J_0^T s_base + J_{W-1}^T s_corr for ONE group of all of each sample's
+    trained transitions (steps [B, W], jagg_frac 1), float64 autograd, from the stand-in's own
+    grpo_one_step: v_j its transformer output at member j, s_j the gradient of member j's PPO loss
+    with respect to that output (through grpo_one_step on the fixed output), alpha by the model
+    timesteps int(sigma * 1000) / 1000 in float32 or by the member index."""
+    module, args, params = standin.module, standin.args, standin.trainable()
+    _, all_latents, all_log_probs, sigmas = result[:4]
+    total = [torch.zeros_like(p) for p in params]
+    for i in range(all_latents.shape[0]):
+        ks = sorted(int(k) for k in steps[i])
+        # the model's timestep as Flux's gets it, int(sigma * 1000) / 1000 in float32, for every family
+        t = (torch.tensor([int(sigmas[k] * 1000) for k in ks]) / 1000).double()
+        index = torch.arange(len(ks), dtype=torch.float64) / (len(ks) - 1)
+        alphas = (t[0] - t) / (t[0] - t[-1]) if alpha == "timestep" else index
+
+        def call(k, model):
+            return module.grpo_one_step(args=args, latents=all_latents[i:i + 1, k],
+                                        pre_latents=all_latents[i:i + 1, k + 1], transformer=model,
+                                        timesteps=torch.tensor([int(sigmas[k] * 1000)]), i=torch.tensor(k),
+                                        sigma_schedule=sigmas, **sample_kwargs(standin, result, i))
+
+        def loss_at(k, v):
+            log_prob = call(k, _Recording(standin.transformer, v))
+            adv = advantages[i:i + 1].clamp(-args.adv_clip_max, args.adv_clip_max)
+            ratio = torch.exp(log_prob - all_log_probs[i:i + 1, k])
+            clipped = torch.clamp(ratio, 1 - args.clip_range, 1 + args.clip_range)
+            return torch.mean(torch.maximum(-adv * ratio, -adv * clipped)) / normaliser
+
+        outputs = []
+        for k in ks:
+            recording = _Recording(standin.transformer)
+            call(k, recording)
+            outputs.append(recording.output)
+        upstream = []
+        for k, v in zip(ks, outputs):
+            proxy = v.detach().requires_grad_(True)
+            (s,) = torch.autograd.grad(loss_at(k, proxy), proxy)
+            upstream.append(s)
+        s_base = sum((1 - a) * s for a, s in zip(alphas.tolist(), upstream))
+        s_corr = sum(a * s for a, s in zip(alphas.tolist(), upstream))
+        grads = torch.autograd.grad([outputs[0], outputs[-1]], params, [s_base, s_corr], allow_unused=True)
+        total = [acc + (0 if g is None else g) for acc, g in zip(total, grads)]
+    return flat(total)

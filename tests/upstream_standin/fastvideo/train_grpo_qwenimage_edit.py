@@ -1,0 +1,192 @@
+# A stand-in for upstream DanceGRPO's fastvideo/train_grpo_qwenimage_edit.py (see train_grpo_flux.py
+# here): Qwen-Image's step with a condition image. The model input is the latents followed by the
+# condition image's latents along the tokens, the output is cut back to the latents' tokens, and
+# img_shapes pairs the target's size with the FIRST sample's condition size; the rollout returns the
+# condition latents as its 6th value, kept per sample in the samples dict.
+import torch
+import torch.distributed as dist
+
+from dancegrpo.models.base import pack_latents
+from fastvideo.train_grpo_flux import FLOAT, autocast, flux_step, gather_tensor, sd3_time_shift  # noqa: F401
+from fastvideo.utils.standin_setup import (condition_images, finish_run, latent_reward, qwen_text_kwargs,
+                                           standin_parser, standin_run_objects)
+
+
+def run_sample_step(args, z, progress_bar, sigma_schedule, transformer, encoder_hidden_states, prompt_attention_masks,
+                    txt_seq_lens, img_shapes, image_latents, grpo_sample):
+    all_latents = [z]
+    all_log_probs = []
+    for i in progress_bar:
+        timestep_value = int(sigma_schedule[i] * 1000)
+        timesteps = torch.full([encoder_hidden_states.shape[0]], timestep_value, device=z.device, dtype=torch.long)
+        transformer.eval()
+        with autocast():
+            pred = transformer(hidden_states=torch.cat([z, image_latents], dim=1),
+                               encoder_hidden_states=encoder_hidden_states,
+                               encoder_hidden_states_mask=prompt_attention_masks, timestep=timesteps / 1000,
+                               img_shapes=img_shapes, guidance=None, return_dict=False,
+                               **qwen_text_kwargs(transformer, txt_seq_lens))[0]
+        pred = pred[:, :z.shape[1]]
+        z, pred_original, log_prob = flux_step(pred, z.to(FLOAT), args.eta, sigmas=sigma_schedule, index=i,
+                                               prev_sample=None, grpo=True, sde_solver=True)
+        all_latents.append(z)
+        all_log_probs.append(log_prob)
+    return z, pred_original, torch.stack(all_latents, dim=1), torch.stack(all_log_probs, dim=1)
+
+
+def sample_reference_model(args, device, transformer, vae, encoder_hidden_states, prompt_attention_masks,
+                           original_length, calculated_height, calculated_width, image_latents, reward_model,
+                           tokenizer, caption, preprocess_val):
+    sigma_schedule = sd3_time_shift(args.shift, torch.linspace(1, 0, args.sampling_steps + 1))
+    B = encoder_hidden_states.shape[0]
+    latent_h, latent_w = args.h // 8, args.w // 8
+    all_latents, all_log_probs, all_rewards, all_txt_seq_lens, all_image_latents = [], [], [], [], []
+    if args.init_same_noise:
+        input_latents = torch.randn((1, 1, 16, latent_h, latent_w), device=device, dtype=FLOAT)
+    for index in range(B):
+        batch_idx = [index]
+        if not args.init_same_noise:
+            input_latents = torch.randn((1, 1, 16, latent_h, latent_w), device=device, dtype=FLOAT)
+        input_latents_new = pack_latents(input_latents.reshape(1, 16, latent_h, latent_w), 1, 16, latent_h, latent_w)
+        img_shapes = [[(1, args.h // 16, args.w // 16),
+                       (1, int(calculated_height[index]) // 16, int(calculated_width[index]) // 16)]]
+        txt_seq_lens = original_length[batch_idx].tolist()
+        length = max(txt_seq_lens)
+        with torch.no_grad():
+            z, latents, batch_latents, batch_log_probs = run_sample_step(
+                args, input_latents_new, range(args.sampling_steps), sigma_schedule, transformer,
+                encoder_hidden_states[batch_idx][:, :length], prompt_attention_masks[batch_idx][:, :length],
+                txt_seq_lens, img_shapes, image_latents[batch_idx], True)
+        all_txt_seq_lens.append(txt_seq_lens)
+        all_image_latents.append(image_latents[batch_idx])
+        all_latents.append(batch_latents)
+        all_log_probs.append(batch_log_probs)
+        all_rewards.append(reward_model(latents, [caption[i] for i in batch_idx]))
+    return (torch.cat(all_rewards), torch.cat(all_latents), torch.cat(all_log_probs), sigma_schedule, all_txt_seq_lens,
+            torch.cat(all_image_latents))
+
+
+def grpo_one_step(args, latents, pre_latents, encoder_hidden_states, prompt_attention_masks, txt_seq_lens, img_shapes,
+                  image_latents, transformer, timesteps, i, sigma_schedule):
+    transformer.train()
+    with autocast():
+        pred = transformer(hidden_states=torch.cat([latents, image_latents], dim=1),
+                           encoder_hidden_states=encoder_hidden_states,
+                           encoder_hidden_states_mask=prompt_attention_masks, timestep=timesteps / 1000,
+                           img_shapes=img_shapes, guidance=None, return_dict=False,
+                           **qwen_text_kwargs(transformer, txt_seq_lens))[0]
+    pred = pred[:, :latents.shape[1]]
+    z, pred_original, log_prob = flux_step(pred, latents.to(FLOAT), args.eta, sigma_schedule, i,
+                                           prev_sample=pre_latents.to(FLOAT), grpo=True, sde_solver=True)
+    return log_prob
+
+
+def train_one_step(args, device, transformer, vae, reward_model, tokenizer, optimizer, lr_scheduler, prompt_embeds,
+                   prompt_attention_masks, caption, original_length, calculated_height, calculated_width, image_latents,
+                   noise_scheduler, max_grad_norm, preprocess_val, ema_handler):
+    total_loss = 0.0
+    if args.use_group:
+        def repeat_tensor(tensor):
+            return torch.repeat_interleave(tensor, args.num_generations, dim=0)
+        encoder_hidden_states = repeat_tensor(prompt_embeds)
+        prompt_attention_masks = repeat_tensor(prompt_attention_masks)
+        original_length = repeat_tensor(original_length)
+        calculated_height = repeat_tensor(calculated_height)
+        calculated_width = repeat_tensor(calculated_width)
+        image_latents = repeat_tensor(image_latents)
+        if isinstance(caption, str):
+            caption = [caption] * args.num_generations
+        elif isinstance(caption, list):
+            caption = [item for item in caption for _ in range(args.num_generations)]
+        else:
+            raise ValueError(f"Unsupported caption type: {type(caption)}")
+    reward, all_latents, all_log_probs, sigma_schedule, all_txt_seq_lens, all_image_latents = sample_reference_model(
+        args, device, transformer, vae, encoder_hidden_states, prompt_attention_masks, original_length,
+        calculated_height, calculated_width, image_latents, reward_model, tokenizer, caption, preprocess_val)
+    batch_size = all_latents.shape[0]
+    timestep_value = [int(sigma * 1000) for sigma in sigma_schedule][:args.sampling_steps]
+    timesteps = torch.tensor([timestep_value[:] for _ in range(batch_size)], device=all_latents.device,
+                             dtype=torch.long)
+    samples = {
+        "timesteps": timesteps.detach().clone()[:, :-1],
+        "latents": all_latents[:, :-1][:, :-1],
+        "next_latents": all_latents[:, 1:][:, :-1],
+        "log_probs": all_log_probs[:, :-1],
+        "rewards": reward.to(torch.float32),
+        "encoder_hidden_states": encoder_hidden_states,
+        "prompt_attention_masks": prompt_attention_masks,
+        "original_length": original_length,
+        "image_latents": all_image_latents,
+    }
+    gathered_reward = gather_tensor(samples["rewards"])
+    if dist.get_rank() == 0:
+        print("gathered_reward", gathered_reward)
+        with open("./reward.txt", "a") as f:
+            f.write(f"{gathered_reward.mean().item():.4f}\n")
+    if args.use_group:
+        n = len(samples["rewards"]) // args.num_generations
+        advantages = torch.zeros_like(samples["rewards"])
+        for i in range(n):
+            start_idx, end_idx = i * args.num_generations, (i + 1) * args.num_generations
+            group_rewards = samples["rewards"][start_idx:end_idx]
+            advantages[start_idx:end_idx] = (group_rewards - group_rewards.mean()) / (group_rewards.std() + 1e-8)
+        samples["advantages"] = advantages
+    else:
+        samples["advantages"] = (samples["rewards"] - gathered_reward.mean()) / (gathered_reward.std() + 1e-8)
+    perms = torch.stack([torch.randperm(len(samples["timesteps"][0])) for _ in range(batch_size)]).to(device)
+    for key in ["timesteps", "latents", "next_latents", "log_probs"]:
+        samples[key] = samples[key][torch.arange(batch_size).to(device)[:, None], perms]
+    samples_batched = {k: v.unsqueeze(1) for k, v in samples.items()}
+    samples_batched_list = [dict(zip(samples_batched, x)) for x in zip(*samples_batched.values())]
+    train_timesteps = int(len(samples["timesteps"][0]) * args.timestep_fraction)
+    img_shapes = [[(1, args.h // 16, args.w // 16),
+                   (1, int(calculated_height[0]) // 16, int(calculated_width[0]) // 16)]]
+    for i, sample in list(enumerate(samples_batched_list)):
+        length = int(sample["original_length"])
+        for _ in range(train_timesteps):
+            new_log_probs = grpo_one_step(args, sample["latents"][:, _], sample["next_latents"][:, _],
+                                          sample["encoder_hidden_states"][:, :length],
+                                          sample["prompt_attention_masks"][:, :length], all_txt_seq_lens[i],
+                                          img_shapes, sample["image_latents"], transformer, sample["timesteps"][:, _],
+                                          perms[i][_], sigma_schedule)
+            advantages = torch.clamp(sample["advantages"], -args.adv_clip_max, args.adv_clip_max)
+            ratio = torch.exp(new_log_probs - sample["log_probs"][:, _])
+            unclipped_loss = -advantages * ratio
+            clipped_loss = -advantages * torch.clamp(ratio, 1.0 - args.clip_range, 1.0 + args.clip_range)
+            loss = torch.mean(torch.maximum(unclipped_loss, clipped_loss)) / (
+                args.gradient_accumulation_steps * train_timesteps)
+            loss.backward()
+            avg_loss = loss.detach().clone()
+            dist.all_reduce(avg_loss)   # upstream: ReduceOp.AVG, which gloo lacks
+            total_loss += avg_loss.item() / dist.get_world_size()
+        if (i + 1) % args.gradient_accumulation_steps == 0:
+            grad_norm = transformer.clip_grad_norm_(max_grad_norm)
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+        if dist.get_rank() % 8 == 0:
+            print("reward", sample["rewards"].item())
+            print("ratio", ratio)
+            print("advantage", sample["advantages"].item())
+            print("final loss", loss.item())
+        dist.barrier()
+    return total_loss, grad_norm.item()
+
+
+def main(args):
+    device, transformer, optimizer, lr_scheduler, loader = standin_run_objects("qwenimage", args, FLOAT)
+    for step in range(1, args.max_train_steps + 1):
+        prompt_embeds, prompt_attention_masks, caption, original_length = next(loader)
+        height, width, image_latents = condition_images(prompt_embeds.shape[0], args.condition_h, args.condition_w,
+                                                        FLOAT)
+        loss, grad_norm = train_one_step(args, device, transformer, None, latent_reward, None, optimizer, lr_scheduler,
+                                         prompt_embeds, prompt_attention_masks, caption, original_length, height,
+                                         width, image_latents, None, args.max_grad_norm, None, None)
+        print(f"step {step} loss {loss} grad_norm {grad_norm}")
+    finish_run()
+
+
+if __name__ == "__main__":
+    MAIN_BLOCK_RAN = True
+    args = standin_parser().parse_args()
+    main(args)
