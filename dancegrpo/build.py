@@ -42,6 +42,7 @@ class TrainContext:
     engine: object = None             # a dancegrpo.engines.Engine: the loop's only way to step
     step: int = 0
     activation_meter: ActivationMeter = field(default_factory=ActivationMeter)
+    resumed_update_state: object = None   # what the resumed checkpoint saved of the policy update
     extra: dict = field(default_factory=dict)
 
     # The engine owns the optimizer and its schedule; these are its, never copies.
@@ -78,7 +79,7 @@ def setup(args, family, plan=None):
     model = engine.model
     ema = ParamEMA(engine.ema_module, args.ema_decay) if args.use_ema else None
 
-    start_step = 0
+    start_step, state = 0, None
     if resume:
         state = ckpt.load_training_state(resume, engine)
         start_step = state["step"] if state else 0
@@ -92,7 +93,8 @@ def setup(args, family, plan=None):
     ctx = TrainContext(args=args, family=family, transformer=model, raw_transformer=raw, vae=vae,
                        reward_fn=reward_fn, loader=loader,
                        device=device, counter=PassCounter(raw), sigmas=sigmas, timesteps=model_timesteps(sigmas),
-                       rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step)
+                       rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step,
+                       resumed_update_state=(state or {}).get("policy_update"))
     ctx.extra["resumed_from"] = resume
     ctx.extra["dataset"] = dataset
     ctx.extra["num_params"] = num_params

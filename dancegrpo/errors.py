@@ -29,6 +29,12 @@ class DiskFullError(RunHalted):
     """A checkpoint could not be written; the previous one is intact."""
 
 
+class PeerLost(RunHalted):
+    """Another rank's process ended (killed, crashed) while this one waited for it in a collective:
+    this rank stops too; the checkpoints written before are intact."""
+    exit_code = 1
+
+
 class Interrupted(RunHalted):
     """SIGTERM / SIGINT / launcher gone: the run saved a checkpoint and stopped."""
 

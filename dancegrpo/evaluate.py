@@ -24,7 +24,10 @@ drawn on the CPU: the same prompt gets the same noise for every checkpoint and b
 
 Outputs under --output_dir: <label>/scores.csv (one row per image: prompt, seed, one column per
 metric), <label>/summary.json, <label>/grid.png (rows = prompts, columns = images), and
-table.md / comparison.json over all checkpoints; the markdown table is also printed.
+table.md / comparison.json over all checkpoints; the markdown table is also printed. The folder
+is locked while an evaluation writes it (a second one there is refused), and a later evaluation of
+the same metrics adds its rows to table.md / comparison.json (a label evaluated again replaces its
+row); one of other metrics is refused.
 """
 import argparse
 import contextlib
@@ -44,6 +47,7 @@ from .adapters.origin import AdapterMismatch, check_adapter, origin_problem, rea
 from .errors import NonFiniteError
 from .run.finite import nonfinite_parameters
 from .run.readers import ReaderLock, run_folder_of
+from .run.rundir import RunLock
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
 from .models.base import compute_autocast
 from .utils.samples import tile
@@ -391,7 +395,9 @@ def table_row(summary):
     return f"| {summary['label']} | {summary['num_images']} | " + " | ".join(cells) + " |"
 
 
-def run(args):
+def run(args, stack):
+    """Check the input, claim the output folder (held on `stack`, a contextlib.ExitStack, until it
+    closes), score every checkpoint, write the table. Returns this evaluation's summaries."""
     from .utils.data import PromptEmbeddingDataset
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     family_cls, transformer_cls, vae_cls = family_parts(args.family)
@@ -403,10 +409,13 @@ def run(args):
     prompt_ids = select_prompts(args, dataset)
     for _, path in args.checkpoints:  # fail before any expensive work
         precheck_checkpoint(path, args.pretrained_model_name_or_path, transformer_cls)
-    vae = load_vae(vae_cls, args, device)
-    metric_fn = WeightedReward(args.metric_terms, device, args)
     names = [n for n, _ in args.metric_terms]
     os.makedirs(args.output_dir, exist_ok=True)
+    lock = RunLock(args.output_dir, "dancegrpo.evaluate").acquire()   # one writer of table.md at a time
+    stack.callback(lock.release)
+    earlier = earlier_summaries(args.output_dir, names)
+    vae = load_vae(vae_cls, args, device)
+    metric_fn = WeightedReward(args.metric_terms, device, args)
     print(table_header(names), flush=True)
     summaries = []
     for label, path in args.checkpoints:
@@ -423,11 +432,44 @@ def run(args):
         del transformer
         summaries.append(summary)
         print(table_row(summary), flush=True)
-    with open(os.path.join(args.output_dir, "table.md"), "w") as f:
-        f.write(table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n")
-    with open(os.path.join(args.output_dir, "comparison.json"), "w") as f:
-        json.dump(summaries, f, indent=1)
+    write_comparison(args.output_dir, names, merged_summaries(earlier, summaries))
     return summaries
+
+
+def earlier_summaries(output_dir, names):
+    """The rows an earlier evaluation wrote to output_dir/comparison.json (none: []); refused when they
+    score other metrics, whose columns the table could not hold."""
+    path = os.path.join(output_dir, "comparison.json")
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+        theirs = list(earlier[0]["metrics"]) if earlier else names
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
+        raise EvalError(f"{path!r} cannot be read ({e}); it is an earlier evaluation's: move it away or choose "
+                        "another --output_dir") from None
+    if theirs != names:
+        raise EvalError(f"--output_dir {output_dir!r} holds an evaluation of the metrics {theirs}, this one scores "
+                        f"{names}: the table would mix columns; choose another --output_dir")
+    return earlier
+
+
+def merged_summaries(earlier, summaries):
+    """The earlier rows, a label evaluated again replaced by its new row (said once), then the new ones."""
+    labels = {s["label"] for s in summaries}
+    replaced = [s["label"] for s in earlier if s["label"] in labels]
+    if replaced:
+        print(f"notice: {', '.join(replaced)} evaluated again: the earlier row is replaced", file=sys.stderr,
+              flush=True)
+    return [s for s in earlier if s["label"] not in labels] + summaries
+
+
+def write_comparison(output_dir, names, summaries):
+    with open(os.path.join(output_dir, "table.md"), "w") as f:
+        f.write(table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n")
+    with open(os.path.join(output_dir, "comparison.json"), "w") as f:
+        json.dump(summaries, f, indent=1)
 
 
 def hold_run_folders(checkpoints, stack):
@@ -449,7 +491,7 @@ def main(argv=None):
     try:
         with contextlib.ExitStack() as stack:
             hold_run_folders(args.checkpoints, stack)
-            return run(args)
+            return run(args, stack)
     except (EvalError, FileNotFoundError, ValueError, ImportError, RewardNotFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

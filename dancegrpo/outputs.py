@@ -1,21 +1,26 @@
 """What a run writes besides its metrics: checkpoints of the weights after a step (with
---checkpoints_total_limit retention), sample grids, and the reward curve."""
+--checkpoints_total_limit retention), sample grids, and the reward curve; and what a full disk
+under any of the run's writes does (`written`)."""
+import errno
 import os
 
 import torch
 
 from .algo.rollout import predict_velocity
+from .errors import DiskFullError
 from .run.finite import require_finite
 from .run.readers import exclusive
 from .run.run_config import snapshot
 from .utils import checkpoint as ckpt, samples
+from .utils.communications import all_reduce_max
 from .utils.data import collate_prompts
 from .utils.plots import moving_average, plot_reward_curves
 
 
-def save(ctx, step):
+def save(ctx, step, update_state=None):
     """A checkpoint of the weights after `step`'s update, after checking they are finite, with
-    --checkpoints_total_limit retention before and after it."""
+    --checkpoints_total_limit retention before and after it; `update_state`: what the policy update
+    keeps across steps (grpo.update_state), saved beside the step and seed."""
     finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
     require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
                    " (checked before writing a checkpoint, which was not written)")
@@ -28,11 +33,38 @@ def save(ctx, step):
     if ctx.rank == 0 and limit:   # retention before the write: the disk never needs room for the limit + 1
         _retain(out, lambda: ckpt.make_room(out, limit, ckpt.checkpoint_dir(out, step), protect=(resumed,)))
     path = ckpt.save_checkpoint(out, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
-                                ema_state=ema_state, extra_state={"seed": ctx.seed},
+                                ema_state=ema_state, extra_state={"seed": ctx.seed, "policy_update": update_state},
                                 run_config=snapshot(ctx.args, ctx.seed, ctx.world_size), weights_format=weights_format)
     if ctx.rank == 0 and limit:
         _retain(out, lambda: ckpt.prune_checkpoints(out, limit, protect=(path, resumed)))
     return path
+
+
+def written(ctx, what, write, checkpoint=None):
+    """Run `write` (the metrics line, a sample grid: on rank 0, or collective) and agree over the ranks
+    whether it found the disk full. If so, every rank keeps the training done so far as the checkpoint
+    path does (`checkpoint()`: this step's, when there is room for it; None: nothing trained yet) and
+    stops with DiskFullError (exit 3), naming what was not written; what was written before stays."""
+    error = None
+    try:
+        write()
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        error = e
+    if not all_reduce_max(float(error is not None), ctx.device):
+        return
+    out = ctx.args.output_dir
+    why = getattr(error, "strerror", None) or "No space left on device"
+    try:
+        kept = "no step was trained yet" if checkpoint is None else f"the training so far is kept in {checkpoint()!r}"
+    except DiskFullError:
+        previous = ckpt.latest_checkpoint(out)
+        kept = ("no checkpoint of this step could be written either; " +
+                (f"the previous checkpoint {previous!r} is intact" if previous else "no earlier checkpoint exists"))
+    raise DiskFullError(f"no space left to write {what} in {out!r} ({why}); {kept}. Free space, or keep fewer "
+                        "checkpoints with --checkpoints_total_limit N, then resume with --resume_from_checkpoint "
+                        "latest.") from None
 
 
 def _retain(output_dir, prune):

@@ -18,14 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from .algo.advantages import compute_advantages
-from .algo.grpo import (UpdateStats, policy_update as vanilla_policy_update, select_train_steps as vanilla_selection,
-                        wants_rollout_outputs, window_train_steps)
+from .algo.grpo import (UpdateStats, policy_update as vanilla_policy_update, restore_update_state,
+                        select_train_steps as vanilla_selection, update_state, wants_rollout_outputs,
+                        window_train_steps)
 from .algo.objective import accumulate_policy_gradient, grpo_one_step, make_update_batch  # noqa: F401 (re-exported)
 from .algo.rollout import (Rollout, expand_groups, run_sample_step,  # noqa: F401 (upstream's names, re-exported)
                            sample_reference_model, step_generators)
 from .build import describe, setup
-from .outputs import save, write_reward_curve, write_samples
-from .errors import Interrupted
+from .outputs import save, write_reward_curve, write_samples, written
+from .errors import Interrupted, PeerLost, RunHalted
 from .run.finite import damaged_weights_hint, require_finite
 from .run.preflight import preflight
 from .run.resume import plan_run
@@ -33,7 +34,7 @@ from .run.signals import StopRequest, signal_name
 from .utils import checkpoint as ckpt
 from .utils.activation_meter import cuda_peak_mb, cuda_peak_reset
 from .utils.communications import (all_reduce_max, all_reduce_mean, decide_on_rank0, gather_tensor, init_distributed,
-                                   is_distributed, shutdown)
+                                   is_distributed, peer_lost, shutdown)
 from .utils.metrics import MetricsWriter
 
 
@@ -179,9 +180,10 @@ def _open_wandb(args, rank):
     return wandb.init(project=f"dancegrpo-{args.family}", config=vars(args))
 
 
-def run(args, family, train_one_step_fn):
+def run(args, family, train_one_step_fn, current_update=lambda: vanilla_policy_update):
     """The training loop. `train_one_step_fn(ctx) -> record` is the trainer module's
-    own `train_one_step`, looked up at call time so a run-time patch applies.
+    own `train_one_step`, looked up at call time so a run-time patch applies; `current_update()`
+    its policy_update seam, whose state (grpo.update_state) each checkpoint saves and a resume restores.
 
     Before anything is loaded, rank 0 checks the model and data files (preflight), locks the output
     folder and checks the resume (plan_run); the lock is held until the run ends, however it ends."""
@@ -197,42 +199,60 @@ def run(args, family, train_one_step_fn):
     plan = decide_on_rank0(decide, rank)
     stops = StopRequest().install(watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
     try:
-        return _train(args, family, train_one_step_fn, plan, run_id, stops)
+        history = _train(args, family, train_one_step_fn, current_update, plan, run_id, stops)
+    except RuntimeError as error:
+        said = None if isinstance(error, RunHalted) else peer_lost(error)
+        if said is None:
+            raise
+        raise PeerLost(f"rank {rank}: another rank's process ended while this one waited for it ({said}); this "
+                       "rank stops too. The checkpoints written before are intact: continue with "
+                       "--resume_from_checkpoint latest") from None
     finally:
         stops.uninstall()
         if "lock" in held:
             held["lock"].release()
+    # Every rank finished, and the run's objects are gone with _train's frame: the group is released
+    # now (its threads joined), not at interpreter exit.
+    shutdown()
+    return history
 
 
-def _train(args, family, train_one_step_fn, plan, run_id, stops):
+def _train(args, family, train_one_step_fn, current_update, plan, run_id, stops):
     from tqdm.auto import tqdm
     ctx = setup(args, family, plan)
     main = ctx.rank == 0
+    if plan["full_resume"]:
+        restore_update_state(current_update(), ctx.resumed_update_state, log=print if main else lambda line: None)
     writer = MetricsWriter(args.output_dir, enabled=main, wandb_run=_open_wandb(args, ctx.rank), run_id=run_id,
                            resume_step=ctx.step if plan["full_resume"] else None)
     if main:
         print(describe(ctx) + f" | run {run_id}", flush=True)
     bar = tqdm(total=args.max_train_steps, initial=ctx.step, desc="steps", disable=not main)
     last_saved = None
+
+    def checkpoint():   # of the weights after the current step, with what the policy update carries
+        return save(ctx, ctx.step, update_state(current_update()))
+
     if args.sample_every and ctx.step == 0:
-        write_samples(ctx, 0)  # the "before" picture
+        written(ctx, "the sample grid before training", lambda: write_samples(ctx, 0))   # the "before" picture
     try:
         while ctx.step < args.max_train_steps:
             ctx.step += 1
             record = train_one_step_fn(ctx)
-            writer.write(record)
+            # A full disk here keeps the step's training in a checkpoint, as one during a checkpoint does.
+            written(ctx, f"step {ctx.step}'s metrics line", lambda: writer.write(record), checkpoint)
             if args.sample_every and (ctx.step % args.sample_every == 0 or ctx.step == args.max_train_steps):
-                write_samples(ctx, ctx.step)
+                written(ctx, f"step {ctx.step}'s sample grid", lambda: write_samples(ctx, ctx.step), checkpoint)
             bar.update(1)
             bar.set_postfix(reward=f"{record['reward_mean']:.4f}", loss=f"{record['loss']:.3g}",
                             s=f"{record['step_time_s']:.2f}")
             # After the step's update, so checkpoint-N holds N updates (upstream saved before).
             if ctx.step % args.checkpointing_steps == 0 or ctx.step == args.max_train_steps:
-                last_saved = save(ctx, ctx.step)
+                last_saved = checkpoint()
             signum = stops.pending(ctx.device)
             if signum:
                 if last_saved != ckpt.checkpoint_dir(args.output_dir, ctx.step):
-                    last_saved = save(ctx, ctx.step)
+                    last_saved = checkpoint()
                 raise Interrupted(f"{signal_name(signum)} after step {ctx.step}: saved {last_saved}; continue with "
                                   "--resume_from_checkpoint latest", signum)
     finally:
@@ -241,7 +261,6 @@ def _train(args, family, train_one_step_fn, plan, run_id, stops):
         write_reward_curve(writer, args.output_dir)
         print(f"done: {writer.summary()}" + (f" | checkpoint {last_saved}" if last_saved else ""), flush=True)
     ctx.engine.close()
-    shutdown()
     return writer.history
 
 
@@ -257,7 +276,7 @@ def trainer_entry(module_name):
 
     def main(args):
         module = sys.modules[module_name]
-        return run(args, module.FAMILY(args), lambda ctx: module.train_one_step(ctx))
+        return run(args, module.FAMILY(args), lambda ctx: module.train_one_step(ctx), lambda: module.policy_update)
 
     train_one_step_of_module.__name__ = "train_one_step"
     return vanilla_policy_update, vanilla_selection, train_one_step_of_module, main

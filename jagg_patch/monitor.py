@@ -15,6 +15,7 @@ cosines are of the full gradient, the mean of the ranks' monitored samples: each
 of it (its FSDP shard, or its slice of the all-reduced mean under DeepSpeed) and the dot products
 are summed over ranks, not the vectors.
 """
+import os
 import time
 from collections import defaultdict
 
@@ -86,6 +87,13 @@ class Monitor:
                         self._measure_group(probe, sub, cols, position, values)
         metrics = {name: sum(v) / len(v) for name, v in sorted(values.items())}
         metrics["monitor_time_s"] = time.perf_counter() - start
+        if not values:
+            # Every monitored sample's gradient was zero (the same on every rank: summed over them).
+            metrics["monitor_skipped"] = 1
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"step {batch.step}: the JAGG monitor measured nothing: the gradient of its samples is zero "
+                      "(advantage 0: every reward of their group alike), so there is no direction to compare; "
+                      "--jagg_frac auto keeps its routing until the next measurement", flush=True)
         return metrics
 
     def _measure_group(self, probe, sub, cols, position, values):

@@ -109,6 +109,11 @@ def make_policy_update(window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", b
                                      monitor_samples=monitor_samples, min_cos=min_cos)
     policy_update.monitor, policy_update.routing = monitor, routing
     policy_update.uses_rollout_outputs = reuse != "off" and mode != "exact" and (jagg_frac == AUTO or jagg_frac > 0)
+    if routing is not None:
+        # What the update carries across steps, saved with each checkpoint (dancegrpo.algo.grpo.update_state):
+        # the routing alone; the monitor's cadence follows the step number.
+        policy_update.state_dict = lambda: {"routing": routing.state_dict()}
+        policy_update.load_state_dict = lambda state: routing.load_state_dict(state["routing"])
     return policy_update
 
 

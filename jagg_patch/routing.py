@@ -40,6 +40,16 @@ class AutoRouting:
                 self.routed.discard(position)
         return self.routed != before
 
+    def state_dict(self):
+        """What the routing carries from step to step (the smoothed cosines and the routed positions,
+        the same on every rank), for a checkpoint."""
+        return {"min_cos": self.min_cos, "smoothed": {str(p): v for p, v in sorted(self.smoothed.items())},
+                "routed": sorted(self.routed)}
+
+    def load_state_dict(self, state):
+        self.smoothed = {int(p): float(v) for p, v in state["smoothed"].items()}
+        self.routed = set(int(p) for p in state["routed"])
+
     def routes(self, position):
         return position in self.routed
 

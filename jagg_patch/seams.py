@@ -67,6 +67,9 @@ PREPARED_UPDATE_FIELDS = ("cond", "captions", "rollout", "advantages", "selectio
 # The trainer keeps the rollout's model outputs (UpdateBatch.rollout_output) for a policy_update
 # whose attribute says it reads them; dancegrpo's own policy_update declares False.
 POLICY_UPDATE_ATTRIBUTES = ("uses_rollout_outputs",)
+# A patched policy_update may carry state across steps (its state_dict / load_state_dict: JAGG's auto
+# routing); the trainer saves it with each checkpoint and restores it on resume through these.
+POLICY_UPDATE_STATE = ("update_state", "restore_update_state")
 
 
 class SeamError(RuntimeError):
@@ -102,6 +105,10 @@ def check_seams(module):
         if not hasattr(grpo.policy_update, attribute):
             raise SeamError(f"dancegrpo.algo.grpo.policy_update lacks the attribute {attribute!r} that tells the "
                             "trainer what jagg_patch's update reads (see jagg_patch.seams)")
+    for name in POLICY_UPDATE_STATE:
+        if not callable(getattr(grpo, name, None)):
+            raise SeamError(f"dancegrpo.algo.grpo has no {name!r}: the trainer would not keep the patched update's "
+                            "state across a resume (--jagg_frac auto's routing; see jagg_patch.seams)")
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
     _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)

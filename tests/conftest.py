@@ -20,6 +20,16 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: tens of seconds of runs or processes (learning checks, scripts, "
                                        "two-rank launches); still run in CI, started first under -n")
+    # With workers (-n N): whole work units (loadgroup), in the order given below (no reordering). These
+    # are pytest-xdist's options, so they are set here, only where it runs, and not in pyproject's
+    # addopts, where `pytest -p no:xdist` stops at them as unknown flags. A --dist given by hand wins.
+    if any(str(a).startswith("--dist") for a in config.invocation_params.args):
+        return
+    if getattr(config.option, "numprocesses", None):   # the controller: how it hands out the units
+        config.option.dist = "loadgroup"
+        config.option.loadscopereorder = False
+    elif hasattr(config, "workerinput"):   # a worker: names each test's unit in its node id, as loadgroup needs
+        config.option.loadgroup = True
 
 
 # Under pytest-xdist (`-n 2 --dist loadgroup`, as the README runs the suite) a work unit goes to one

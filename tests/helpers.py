@@ -120,6 +120,27 @@ def keep_rollout_outputs(ctx, rollout, cond):
 
 # ---------------------------------------------------------------- two-rank checks, one launch
 
+def exit_threads_env(env, folder):
+    """`env` for processes that record, at the very end of their exit, the native threads still alive
+    (tests/exit_threads/sitecustomize.py), one file per process in `folder`."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.pathsep.join(p for p in (os.path.join(TESTS_DIR, "exit_threads"), env.get("PYTHONPATH")) if p)
+    return {**env, "PYTHONPATH": path, "EXIT_THREADS_DIR": str(folder)}
+
+
+def threads_at_exit(folder):
+    """{pid: [thread names]} recorded by the processes started with exit_threads_env."""
+    return {int(name[:-4]): open(os.path.join(folder, name)).read().split()
+            for name in os.listdir(folder) if name.endswith(".txt")}
+
+
+def gloo_threads_at_exit(folder):
+    """The recorded processes that still ran one of gloo's threads at exit (a process group not
+    released: the process can abort there), with those threads."""
+    found = {pid: [t for t in names if "gloo" in t] for pid, names in threads_at_exit(folder).items()}
+    return {pid: names for pid, names in found.items() if names}
+
+
 def dist_check(name, check, flags=()):
     """A `dist_result` parameter: the named two-rank check (one of tests/dist/run_checks.py's
     CHECKS) with these flags. Use with `@pytest.mark.parametrize("dist_result", [...], indirect=True,

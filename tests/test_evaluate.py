@@ -76,12 +76,38 @@ def test_evaluate_compares_checkpoints_and_sde(cache_dir, tmp_path, capsys):
     assert scores["ablation"] != scores["vanilla"]
     assert len(json.load(open(tmp_path / "cmp" / "comparison.json"))) == 3
 
-    _run(cache_dir, tmp_path / "sde", "--max_prompts", "2", "--sde", "--eta", "0.3")
-    sde = _csv(tmp_path / "sde" / "preset-tiny" / "scores.csv")
+    # Later evaluations into the same folder add their rows; a label evaluated again replaces its own.
+    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2", "--sde", "--eta", "0.3")
+    sde = _csv(tmp_path / "cmp" / "preset-tiny" / "scores.csv")
     assert [r["jpeg"] for r in sde] != scores["vanilla"]
-    assert json.load(open(tmp_path / "sde" / "preset-tiny" / "summary.json"))["sampler"] == "sde"
-    _run(cache_dir, tmp_path / "sde2", "--max_prompts", "2", "--sde", "--eta", "0.3")
-    assert _csv(tmp_path / "sde2" / "preset-tiny" / "scores.csv") == sde
+    assert json.load(open(tmp_path / "cmp" / "preset-tiny" / "summary.json"))["sampler"] == "sde"
+    capsys.readouterr()
+    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2", "--sde", "--eta", "0.3")
+    assert "preset-tiny evaluated again: the earlier row is replaced" in capsys.readouterr().err
+    assert _csv(tmp_path / "cmp" / "preset-tiny" / "scores.csv") == sde
+    table = (tmp_path / "cmp" / "table.md").read_text().splitlines()
+    assert [line.split("|")[1].strip() for line in table[2:]] == ["vanilla", "checkpoint-1-0", "ablation",
+                                                                  "preset-tiny"]
+    assert [s["label"] for s in json.load(open(tmp_path / "cmp" / "comparison.json"))][-1] == "preset-tiny"
+
+
+def test_evaluate_refuses_a_folder_in_use_and_one_of_other_metrics(cache_dir, tmp_path, capsys, monkeypatch):
+    from dancegrpo.run.rundir import RunLock
+    (tmp_path / "held").mkdir()
+    lock = RunLock(str(tmp_path / "held"), "another").acquire()
+    try:
+        with pytest.raises(SystemExit) as stop:
+            _run(cache_dir, tmp_path / "held", "--max_prompts", "1")
+        assert stop.value.code == 2 and "is in use by another run" in capsys.readouterr().err
+    finally:
+        lock.release()
+    (tmp_path / "jpeg").mkdir()
+    (tmp_path / "jpeg" / "comparison.json").write_text(json.dumps([{"label": "x", "metrics": {"jpeg": {}}}]))
+    monkeypatch.setattr(evaluate, "load_vae", lambda *a: pytest.fail("loaded a model before refusing"))
+    with pytest.raises(SystemExit) as stop:
+        _run(cache_dir, tmp_path / "jpeg", "--max_prompts", "1", "--metrics", "jpeg,jpeg_incompressibility")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "holds an evaluation of the metrics ['jpeg']" in err, err
 
 
 def test_evaluate_prompt_file_selects_by_caption(cache_dir, tmp_path):

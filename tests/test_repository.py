@@ -34,3 +34,17 @@ def test_code_and_docs_speak_of_the_repository_alone():
         with open(path, errors="replace") as f:
             found += [f"{os.path.relpath(path, ROOT)}:{i}" for i, line in enumerate(f, 1) if pattern.search(line)]
     assert not found, found
+
+
+def test_the_suite_runs_with_and_without_workers(request):
+    """Without pytest-xdist (`-p no:xdist`) the suite starts (no xdist-only option in pyproject's addopts);
+    under it (`-n 2`), work units stay whole (tests/conftest.py sets --dist loadgroup)."""
+    import subprocess
+    import sys
+    if hasattr(request.config, "workerinput"):   # the worker names the units for the controller's loadgroup
+        assert request.config.option.loadgroup is True
+    # --noconftest: the conftest's imports (torch) are not what is tested; pyproject's options are
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "--noconftest",
+                          "-q", "tests/test_repository.py::test_no_test_module_imports_another"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

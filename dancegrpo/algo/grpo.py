@@ -147,6 +147,27 @@ def policy_update(batch: UpdateBatch) -> UpdateStats:
 policy_update.uses_rollout_outputs = False
 
 
+def update_state(update):
+    """What a policy_update seam keeps across training steps (its `state_dict()`; vanilla keeps
+    nothing: None). Saved with every checkpoint, so that a resumed run updates as the unbroken one."""
+    state_dict = getattr(update, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
+
+
+def restore_update_state(update, state, log=print):
+    """Give a resumed run's policy_update the state its checkpoint saved (None: the checkpoint saved
+    none). Either side without the other is said in one line: the update then starts afresh."""
+    load = getattr(update, "load_state_dict", None)
+    if state is not None and callable(load):
+        load(state)
+    elif state is not None:
+        log("notice: the checkpoint holds the state of a patched policy update (e.g. JAGG's --jagg_frac auto "
+            "routing) that this run's update does not keep; it is not used")
+    elif callable(load):
+        log("notice: the checkpoint holds no state of this run's policy update (written by a run without it): "
+            "it starts afresh (JAGG's --jagg_frac auto: every position exact until the next measurement)")
+
+
 def wants_rollout_outputs(update):
     """Whether a policy_update seam asks the rollout to keep its model outputs (memory: one tensor
     the size of the stored latents) and reads UpdateBatch.rollout_output."""

@@ -1,5 +1,8 @@
 """Process group and collectives. Works on CPU (gloo) and CUDA (nccl)."""
+import atexit
+import gc
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -16,6 +19,9 @@ def init_distributed():
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # Whatever way the process ends (an error, a signal's exit, a tool that never calls shutdown),
+        # the group is released before the interpreter tears down.
+        atexit.register(release_process_group)
     return rank, world_size, local_rank, device
 
 
@@ -29,10 +35,38 @@ def barrier():
 
 
 def shutdown():
-    # A barrier first: without it ~1 in 10 CPU runs aborted inside destroy_process_group.
+    """The end of a run that every rank reached: a barrier (no rank tears down while another still
+    talks to it), then the process group released."""
     if is_distributed():
         dist.barrier()
+    release_process_group()
+
+
+# What gloo says when the process on the other end of a collective is gone (killed, crashed).
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer")
+
+
+def peer_lost(error):
+    """What the backend said if `error` is a collective's failure because another rank's process
+    ended, else None."""
+    if not (is_distributed() and isinstance(error, RuntimeError)):
+        return None
+    return next((s for s in PEER_GONE if s in str(error)), None)
+
+
+def release_process_group():
+    """Destroy the default process group, then collect the garbage that still holds it. FSDP units and
+    their hooks keep the group in reference cycles after destroy_process_group(); left to interpreter
+    exit, gloo's threads (gloo_tcp_loop, pt_gloo_runloop) are still running while the process tears
+    down, and now and then it aborts there ("terminate called without an active exception", exit -6,
+    after the run had finished). Collected here, the group's destructor joins them at once. The last
+    unhandled exception's traceback (sys.last_*) holds the frames that hold the model: dropped first."""
+    if is_distributed():
         dist.destroy_process_group()
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
 
 
 def decide_on_rank0(fn, rank):

@@ -62,6 +62,11 @@ def save_grid(images, output_dir, step, columns=COLUMNS):
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"step-{step:06d}.png")
     tmp = path + ".tmp.png"
-    tile(images, columns).save(tmp)
+    try:
+        tile(images, columns).save(tmp)
+    except BaseException:   # a full disk: no half-written grid is left
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     return path

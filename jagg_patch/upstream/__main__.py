@@ -49,18 +49,31 @@ def jagg_parser():
 
 
 def split_argv(argv):
-    """(parsed JAGG flags, trainer file, upstream's flags): the file is the first argument ending in
-    .py; JAGG flags stand before it, or among upstream's, from where they are taken out."""
-    script = next((i for i, a in enumerate(argv) if a.endswith(".py") and not a.startswith("-")), None)
-    if script is None:
-        fail(f"no trainer file given (e.g. fastvideo/train_grpo_flux.py)\n\n{USAGE}")
+    """(parsed JAGG flags, trainer file, upstream's flags): the file is the first argument that is
+    neither a JAGG flag nor its value; JAGG flags stand before it, or among upstream's, from where
+    they are taken out."""
     parser = jagg_parser()
-    jagg_tokens, upstream_flags = _take_jagg_flags(parser, argv[script + 1:])
-    return parser.parse_args(argv[:script] + jagg_tokens), argv[script], upstream_flags
+    before, rest = _take_jagg_flags(parser, argv, stop_at_positional=True)
+    if not rest or rest[0].startswith("-"):
+        fail(f"no trainer file given before {rest[0]!r} (e.g. fastvideo/train_grpo_flux.py); see --help" if rest else
+             "no trainer file given (e.g. fastvideo/train_grpo_flux.py); see --help")
+    check_trainer_path(rest[0])
+    jagg_tokens, upstream_flags = _take_jagg_flags(parser, rest[1:])
+    return parser.parse_args(before + jagg_tokens), rest[0], upstream_flags
 
 
-def _take_jagg_flags(parser, args):
-    """(--jagg_* flags with their values, the other arguments), in their order."""
+def check_trainer_path(path):
+    """One line, exit 2, for a trainer path that cannot be upstream's trainer file."""
+    if os.path.isdir(path):
+        example = os.path.join(path, "fastvideo", "train_grpo_flux.py")
+        fail(f"{path!r} is a folder; give the trainer file in it, e.g. {example}")
+    if os.path.exists(path) and not path.endswith(".py"):
+        fail(f"{path!r} is not a Python file; give upstream's trainer file, e.g. fastvideo/train_grpo_flux.py")
+
+
+def _take_jagg_flags(parser, args, stop_at_positional=False):
+    """(--jagg_* flags with their values, the other arguments), in their order; stop_at_positional:
+    the other arguments start at the first one that is not a JAGG flag."""
     takes_value = {a.option_strings[0]: a.nargs != 0 for a in parser._actions if a.option_strings}
     jagg, others, i = [], [], 0
     while i < len(args):
@@ -69,6 +82,8 @@ def _take_jagg_flags(parser, args):
             n = 2 if takes_value[name] and "=" not in args[i] else 1
             jagg += args[i:i + n]
             i += n
+        elif stop_at_positional:
+            return jagg, list(args[i:])
         else:
             others.append(args[i])
             i += 1
@@ -108,6 +123,24 @@ def preflight(upstream_args, jagg, family, trainer=None):
         print(plan, flush=True)
         if FAMILIES[family].plan_note and jagg.jagg_alpha == "timestep":
             print(FAMILIES[family].plan_note, flush=True)
+        if jagg.jagg_frac == "auto" and getattr(upstream_args, "resume_from_checkpoint", None):
+            print("notice: a resumed upstream run starts its --jagg_frac auto routing afresh: upstream's checkpoints "
+                  "hold no state of the adapter, so it measures at its first step and routes from there", flush=True)
+
+
+def load_or_fail(script):
+    """load_trainer, or one line and exit 2 for a file that is not one to load."""
+    try:
+        return load_trainer(script)
+    except FileNotFoundError as e:
+        fail(str(e))
+    except SyntaxError as e:
+        fail(f"{script} is not valid Python (line {e.lineno}: {e.msg}); give upstream's trainer file, e.g. "
+             "fastvideo/train_grpo_flux.py")
+    except ImportError as e:
+        fail(f"cannot load {script}: {e} (run it with upstream's environment, from its checkout)")
+    except Exception as e:  # noqa: BLE001  (the file's own top-level code failed: said in one line)
+        fail(f"cannot load {script}: its top-level code raised {type(e).__name__}: {e}")
 
 
 def main(argv=None):
@@ -120,15 +153,16 @@ def main(argv=None):
     try:
         validate_jagg_config(jagg.jagg_window, jagg.jagg_frac, jagg.jagg_mode, jagg.jagg_alpha, jagg.jagg_backward,
                              jagg.jagg_grouping, jagg.jagg_reuse_rollout)
-        module = load_trainer(script)
+    except ValueError as e:
+        fail(str(e))
+    module = load_or_fail(script)
+    try:
         if jagg.jagg_fingerprint:
             print(describe_fingerprint(fingerprint(module)))
             return 0
         family = apply(module, **jagg_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
-    except (ValueError, FileNotFoundError, UpstreamChanged, UpstreamUnsupported) as e:
+    except (ValueError, UpstreamChanged, UpstreamUnsupported) as e:
         fail(str(e))
-    except ImportError as e:
-        fail(f"cannot load {script}: {e} (run it with upstream's environment, from its checkout)")
     upstream_main = module.main
 
     trainer = module.train_one_step.jagg_trainer

@@ -72,8 +72,9 @@ def apply(module, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backwa
     jagg_patch.seams.UPSTREAM_RELEASES). Applying again only changes the configuration. Returns the
     family; the replacement's `jagg_trainer` says what the checks found (its known release)."""
     validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
-    original = _ORIGINALS.get(module.__name__, module.train_one_step)
-    module.train_one_step = original   # the fingerprint is of upstream's own function
+    original = _ORIGINALS.get(module.__name__, getattr(module, "train_one_step", None))
+    if original is not None:
+        module.train_one_step = original   # the fingerprint is of upstream's own function
     trainer = check_upstream(module, allow_upstream_changes, releases)
     update = make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse, monitor_every,
                                 monitor_samples, min_cos)

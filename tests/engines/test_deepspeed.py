@@ -20,6 +20,8 @@ STAGES = ((2, 0.0), (3, 1e-5))    # stage, tolerance against the plain run
 LORA = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-2", "--max_train_steps", 2]
 AUTO = ["--jagg_window", 3, "--jagg_frac", "auto", "--jagg_monitor_every", 1, "--jagg_min_cos", 0.9,
         "--max_train_steps", 2]
+# Measured at step 1 only: after a resume from checkpoint-1, step 2 runs on the routing the checkpoint kept.
+AUTO_ONCE = ["--jagg_window", 3, "--jagg_frac", "auto", "--jagg_monitor_every", 100, "--jagg_min_cos", 0.9]
 
 
 def child_env():
@@ -47,7 +49,11 @@ def runs(cache_dir, tmp_path_factory):
     plan = {"plain": run("plain", "--max_train_steps", 2),
             "lora_plain": run("lora_plain", *LORA), "lora_z2": run("lora_z2", *LORA, *zero(2)),
             "auto_plain": run("auto_plain", *AUTO, launcher=["jagg_patch"]),
-            "auto_z2": run("auto_z2", *AUTO, *zero(2), launcher=["jagg_patch"])}
+            "auto_z2": run("auto_z2", *AUTO, *zero(2), launcher=["jagg_patch"]),
+            "once_z2": run("once_z2", *AUTO_ONCE, *zero(2), "--max_train_steps", 2, launcher=["jagg_patch"]),
+            "once_z2_part": run("once_z2_part", *AUTO_ONCE, *zero(2), "--max_train_steps", 1, launcher=["jagg_patch"]),
+            "once_z2_resumed": run("once_z2_part", *AUTO_ONCE, *zero(2), "--max_train_steps", 2,
+                                   "--resume_from_checkpoint", "latest", launcher=["jagg_patch"])}
     for stage, _ in STAGES:
         plan[f"z{stage}"] = run(f"z{stage}", *zero(stage), "--max_train_steps", 3, *EMA[stage])
         plan[f"z{stage}_part"] = run(f"z{stage}_part", *zero(stage), "--max_train_steps", 2, *EMA[stage])
@@ -116,6 +122,19 @@ def test_jagg_auto_under_zero2_measures_routes_and_trains_as_without_deepspeed(r
                                                                     plain["monitor_backwards"]) != (0, 0)
     assert any(r["jagg_routed"] for r in records["auto_z2"])   # it routed something to JAGG
     assert max_diff(weights(folder / "auto_z2" / "checkpoint-2-0"), weights(folder / "auto_plain" / "checkpoint-2-0")) == 0.0
+
+
+def test_jagg_auto_resumes_its_routing_under_zero2(runs):
+    """1 step, then resumed from checkpoint-1 to 2 under ZeRO-2: step 2 runs on the routing step 1
+    chose (saved with the checkpoint by rank 0, read back as every engine's), as the unbroken run."""
+    _, folder = runs
+    routed = {}
+    for name in ("once_z2", "once_z2_part"):
+        with open(folder / name / "metrics.jsonl") as f:
+            routed[name] = [json.loads(line)["jagg_routed"] for line in f]
+    assert routed["once_z2"] == routed["once_z2_part"] and routed["once_z2"][1] > 0
+    part, full = folder / "once_z2_part" / "checkpoint-2-0", folder / "once_z2" / "checkpoint-2-0"
+    assert max_diff(weights(part), weights(full)) == 0.0
 
 
 BAD = [

@@ -1,6 +1,8 @@
 """Checkpoints that scale: the optimizer state is written per rank (torch.distributed.checkpoint),
 the transformer folder stays a full drop-in model, and a killed 2-rank run resumes to the weights
-of the unbroken one."""
+of the unbroken one. The runs go through JAGG with --jagg_frac auto measured at step 1 only, so a
+resume must also restore the routing that step chose (kept in the checkpoint)."""
+import json
 import os
 import signal
 import subprocess
@@ -16,17 +18,22 @@ from dancegrpo.utils import checkpoint as ckpt
 from dancegrpo import train_grpo_flux
 from dancegrpo.trainer import setup
 
-from helpers import FAST, REPO_ROOT, run_main
+from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, run_main, threads_at_exit
 
 REPO = REPO_ROOT
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
-def _launch(cache_dir, out, *flags):
+AUTO = ["--jagg_window", "3", "--jagg_frac", "auto", "--jagg_monitor_every", "100"]
+
+
+def _launch(cache_dir, out, *flags, exit_threads=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = exit_threads_env(env, exit_threads) if exit_threads else env
     return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             "-m", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
-                             "--output_dir", str(out), "--checkpointing_steps", "1", *map(str, flags)],
+                             "-m", "jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir",
+                             cache_dir, "--output_dir", str(out), "--checkpointing_steps", "1", *AUTO,
+                             *map(str, flags)],
                             cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
@@ -38,8 +45,8 @@ def _finish(proc, limit=300):
 
 @pytest.mark.slow
 def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_path, capsys):
-    a, b = tmp_path / "a", tmp_path / "b"
-    _finish(_launch(cache_dir, a, "--max_train_steps", 3))
+    a, b, threads = tmp_path / "a", tmp_path / "b", tmp_path / "threads"
+    _finish(_launch(cache_dir, a, "--max_train_steps", 3, exit_threads=threads))
 
     # The same run, killed (SIGKILL to every process) once its first checkpoint is complete.
     proc = _launch(cache_dir, b, "--max_train_steps", 3)
@@ -51,10 +58,15 @@ def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_p
     proc.wait()
     resumed_from = ckpt.latest_checkpoint(str(b))
     assert resumed_from is not None and not resumed_from.endswith("checkpoint-3-0")
-    _finish(_launch(cache_dir, b, "--max_train_steps", 3, "--resume_from_checkpoint", "latest"))
+    _finish(_launch(cache_dir, b, "--max_train_steps", 3, "--resume_from_checkpoint", "latest", exit_threads=threads))
+    # Each run's process group was released before its ranks exited (torchrun's own process has none):
+    # no gloo thread was left running into interpreter teardown, where the process can abort (-6).
+    assert len(threads_at_exit(threads)) == 6 and gloo_threads_at_exit(threads) == {}
 
     wa, wb = (load_file(str(r / "checkpoint-3-0" / WEIGHTS)) for r in (a, b))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    routed = [[json.loads(line)["jagg_routed"] for line in open(r / "metrics.jsonl")] for r in (a, b)]
+    assert routed[0] == routed[1] and routed[0][-1] > 0   # step 1's routing, restored on resume
 
     # One optimizer file per rank, each holding about half of the AdamW moments (DCP's metadata
     # says which file holds which chunk of which tensor).
@@ -75,8 +87,8 @@ def _resume_on_one_rank(cache_dir, out, capsys):
     """The 2-rank run resumed in one process: refused naming the rank counts first (the per-rank flags a
     preset splits over the ranks differ only because of them); with --allow_config_change it continues
     from the 2-rank optimizer shards."""
-    run = ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
-           "--max_train_steps", 4, "--checkpointing_steps", 1, "--resume_from_checkpoint", "latest"]
+    run = ["jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+           out, "--max_train_steps", 4, "--checkpointing_steps", 1, *AUTO, "--resume_from_checkpoint", "latest"]
     capsys.readouterr()
     assert run_main(*run) == 2
     err = capsys.readouterr().err

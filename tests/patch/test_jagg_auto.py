@@ -51,8 +51,9 @@ def _problem():
     return t, z, target, adv
 
 
-def _batch(model, rows=None, step=1):
+def _batch(model, rows=None, step=1, advantage_scale=1.0):
     t, z, target, adv = _problem()
+    adv = adv * advantage_scale
     rows = torch.arange(M) if rows is None else rows
 
     def predict(k):
@@ -62,7 +63,7 @@ def _batch(model, rows=None, step=1):
         return (adv[rows] * ((target[k, rows] - v) ** 2).mean(dim=(1, 2))).sum()
 
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=torch.tensor([STEPS] * len(rows)), timesteps=t,
-                       subset=lambda r: _batch(model, rows[r], step), step=step,
+                       subset=lambda r: _batch(model, rows[r], step, advantage_scale), step=step,
                        parameters=lambda: list(model.parameters()), counted_apart=contextlib.nullcontext,
                        predict_batched=lambda ks: [predict(k) for k in ks])
 
@@ -102,3 +103,50 @@ def test_the_routing_smooths_and_holds_at_the_threshold():
     # 0.68125 off; 0.815625 on again; 0.8828 on.
     assert MARGIN == 0.05
     assert seen == [(0.9, True), (0.825, True), (0.7625, True), (0.6812, False), (0.8156, True), (0.8828, True)]
+
+
+def test_a_resumed_auto_run_routes_and_trains_as_the_unbroken_one(cache_dir, tmp_path, capsys):
+    """Measured at steps 1 and 4 only, a checkpoint every 2 steps: a run resumed from checkpoint-2 routes
+    step 3 by the routing its checkpoint saved (step 1's), as the unbroken run does, and ends on the same
+    weights bit for bit; the saved routing state is that of the unbroken run at each checkpoint."""
+    import json
+    from safetensors.torch import load_file
+    from helpers import FAST, run_main
+
+    def run(out, steps, *extra):
+        assert run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                        "--output_dir", tmp_path / out, *FAST, "--jagg_window", 3, "--jagg_frac", "auto",
+                        "--jagg_monitor_every", 4, "--checkpointing_steps", 2, "--max_train_steps", steps, *extra) == 0
+
+    run("unbroken", 4)
+    run("resumed", 2)
+    capsys.readouterr()
+    run("resumed", 4, "--resume_from_checkpoint", "latest")
+    assert "starts afresh" not in capsys.readouterr().out
+
+    def records(out):
+        with open(tmp_path / out / "metrics.jsonl") as f:
+            return {r["step"]: r for r in map(json.loads, f)}
+    unbroken, resumed = records("unbroken"), records("resumed")
+    assert unbroken[3]["jagg_routed"] > 0 and unbroken[3]["jagg_groups"] > 0   # step 1's routing, kept
+    assert [resumed[s]["jagg_routed"] for s in (3, 4)] == [unbroken[s]["jagg_routed"] for s in (3, 4)]
+    assert [resumed[s]["jagg_groups"] for s in (3, 4)] == [unbroken[s]["jagg_groups"] for s in (3, 4)]
+    name = "checkpoint-4-0/diffusion_pytorch_model.safetensors"
+    a, b = load_file(str(tmp_path / "unbroken" / name)), load_file(str(tmp_path / "resumed" / name))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for step in (2, 4):
+        saved = [torch.load(tmp_path / out / f"checkpoint-{step}-0" / "training_state.pt",
+                            weights_only=False)["policy_update"] for out in ("unbroken", "resumed")]
+        assert saved[0] == saved[1] and saved[0]["routing"]["routed"]
+
+
+def test_a_measurement_with_nothing_to_compare_says_so_and_keeps_the_routing(capsys):
+    """All-zero advantages: no gradient, no cosine to log; one line says why, the routing stays."""
+    model = SwitchedField()
+    auto = make_policy_update(W, "auto", backward="split", monitor_every=1, monitor_samples=M, min_cos=0.8)
+    _grads(model, auto, _batch(model))
+    assert auto.routing.routed == {0}
+    stats, _ = _grads(model, auto, _batch(model, step=2, advantage_scale=0.0))   # advantage 0 for every sample
+    assert not any("_cos/" in k for k in stats.metrics) and stats.metrics["monitor_skipped"] == 1
+    assert "step 2: the JAGG monitor measured nothing" in capsys.readouterr().out
+    assert auto.routing.routed == {0} and stats.metrics["jagg_routed"] == 0b01

@@ -19,7 +19,7 @@ from dancegrpo import train_grpo_flux, train_grpo_qwenimage
 from dancegrpo.errors import ConfigError, DiskFullError, MissingFileError, NonFiniteError
 from dancegrpo.run.rundir import RunLock
 
-from helpers import FAST, REPO_ROOT, run_main
+from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, run_main, threads_at_exit
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 REPO = REPO_ROOT
@@ -373,9 +373,9 @@ def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
 def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_dir, tmp_path):
     """train_flux.sh's launcher (dancegrpo.launch, torchrun inside) passes SIGTERM on: both ranks
     finish their step and save, and the launcher ends with one line and 143, not a traceback and 1."""
-    out = tmp_path / "o"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRESET": "tiny", "NPROC": "2", "CACHE_DIR": str(cache_dir),
-           "OUTPUT_DIR": str(out)}
+    out, threads = tmp_path / "o", tmp_path / "threads"
+    env = exit_threads_env({**os.environ, "OMP_NUM_THREADS": "1", "PRESET": "tiny", "NPROC": "2",
+                            "CACHE_DIR": str(cache_dir), "OUTPUT_DIR": str(out)}, threads)
     launcher = subprocess.Popen(["bash", os.path.join(REPO, "train_flux.sh"), "--max_train_steps", "500"], cwd=REPO,
                                 env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_steps(out, 2, launcher, limit=240)
@@ -386,6 +386,38 @@ def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_di
     assert "launcher: SIGTERM: the workers were stopped" in err and "Traceback" not in err, err[-3000:]
     assert f"SIGTERM after step {last}: saved" in err
     assert ckpt.checkpoint_problem(str(out / f"checkpoint-{last}-0")) is None
+    # the ranks left through Interrupted: their process group was released all the same
+    assert len(threads_at_exit(threads)) == 3 and gloo_threads_at_exit(threads) == {}
+
+
+def test_a_rank_killed_mid_run_is_named_in_one_line_by_the_launcher(cache_dir, tmp_path):
+    """SIGKILL (the OOM killer's signal) to one worker of dancegrpo.launch: the other rank stops with one
+    line (its collective lost its peer), the launcher says which rank died of what and how to continue,
+    and exits as that rank did (128 + 9); no traceback."""
+    out = tmp_path / "o"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launcher = subprocess.Popen([sys.executable, "-m", "dancegrpo.launch", "--standalone", "--nproc_per_node", "2",
+                                 "-m", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                                 "--output_dir", str(out), "--max_train_steps", "500", "--checkpointing_steps", "1"],
+                                cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while ckpt.latest_checkpoint(str(out)) is None:   # a complete checkpoint to continue from
+        assert launcher.poll() is None and time.time() < deadline, "no checkpoint written"
+        time.sleep(0.1)
+    workers = sorted((int(p) for p in subprocess.run(["pgrep", "-P", str(launcher.pid)], capture_output=True,
+                                                     text=True).stdout.split()), key=_rank_of)   # [rank 0, rank 1]
+    os.kill(workers[1], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=180)
+    assert launcher.returncode == 128 + signal.SIGKILL, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"launcher: rank 1 (pid {workers[1]}) was killed by SIGKILL") and \
+        "--resume_from_checkpoint latest" in last, err[-3000:]
+    assert "stopped: rank 0: another rank's process ended" in err and "Traceback" not in err, err[-3000:]
+
+
+def _rank_of(pid):
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        return int(dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)[b"RANK"])
 
 
 def _alive(pid):
@@ -544,6 +576,54 @@ def test_a_full_disk_keeps_the_previous_checkpoint(make_args, tmp_path, monkeypa
                                        "--output_dir", out))
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1-0"]
     assert ckpt.checkpoint_problem(str(out / "checkpoint-1-0")) is None
+
+
+@pytest.mark.parametrize("what", ["metrics line", "sample grid"])
+def test_a_full_disk_under_the_metrics_or_a_grid_keeps_the_step_in_a_checkpoint(make_args, tmp_path, monkeypatch,
+                                                                                 capsys, what):
+    """ENOSPC while writing step 2's metrics line (half of it written) or its sample grid: exit 3 with the
+    full-disk message, step 2 kept in checkpoint-2-0, nothing written before lost, no partial file left;
+    the run resumes from there and ends as the unbroken one."""
+    from dancegrpo.utils import metrics as metrics_module, samples
+    out = tmp_path / "out"
+    argv = [*FAST, "--max_train_steps", 3, "--checkpointing_steps", 3, "--sample_every", 1]
+    train_grpo_flux.main(make_args(*argv, "--output_dir", tmp_path / "unbroken"))
+    real_json, real_tile = metrics_module.json.dumps, samples.tile
+
+    def full(text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if what == "metrics line":
+        def dumps(record, *a, **kw):   # writes half the line, then the disk is full
+            line = real_json(record, *a, **kw)
+            return line if record.get("step") != 2 else line[:len(line) // 2] + full("")
+        monkeypatch.setattr(metrics_module.json, "dumps", dumps)
+    else:
+        class FullImage:
+            def __init__(self, image):
+                self.image = image
+
+            def save(self, path):   # half a file, then the disk is full
+                with open(path, "wb") as f:
+                    f.write(b"\x89PNG half")
+                full("")
+
+        def tile(images, columns):
+            image = real_tile(images, columns)
+            return FullImage(image) if len(os.listdir(out / "samples")) == 2 else image
+        monkeypatch.setattr(samples, "tile", tile)
+    capsys.readouterr()
+    with pytest.raises(DiskFullError) as stop:
+        train_grpo_flux.main(make_args(*argv, "--output_dir", out))
+    message = str(stop.value)
+    assert f"no space left to write step 2's {what}" in message and "checkpoint-2-0" in message
+    assert "--resume_from_checkpoint latest" in message and ckpt.checkpoint_problem(str(out / "checkpoint-2-0")) is None
+    assert sorted(os.listdir(out / "samples")) == ["step-000000.png", "step-000001.png"]   # no partial file
+    monkeypatch.undo()
+    train_grpo_flux.main(make_args(*argv, "--output_dir", out, "--resume_from_checkpoint", "latest"))
+    a, b = weights(tmp_path / "unbroken" / "checkpoint-3-0"), weights(out / "checkpoint-3-0")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in metrics(out)] == ([1, 3] if what == "metrics line" else [1, 2, 3])
 
 
 @pytest.fixture

@@ -494,3 +494,35 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     wan = result["wan"]
     assert wan["rel_exact"] < 1e-6 and wan["norm_equal"] and wan["norm_differs_over_ranks"], wan
     assert wan["note_lines"] == 1, wan   # rank 0's result: the line once in two steps
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["{tmp}"], "is a folder; give the trainer file in it"),
+    (["{tmp}/notes.txt"], "is not a Python file"),
+    (["{tmp}/broken.py"], "is not valid Python (line 1"),
+    (["{tmp}/plain.py"], "has no function train_one_step"),
+    (["{tmp}/raises.py"], "its top-level code raised ZeroDivisionError"),
+    (["--jagg_window", "4"], "no trainer file given"),
+    (["--jagg_window", "4", "--use_group", "x.py"], "no trainer file given before '--use_group'")],
+    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first"])
+def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
+    from jagg_patch.upstream.__main__ import main
+    (tmp_path / "notes.txt").write_text("not a trainer\n")
+    (tmp_path / "broken.py").write_text("def train_one_step(:\n")
+    (tmp_path / "plain.py").write_text("VALUE = 1\n")
+    (tmp_path / "raises.py").write_text("VALUE = 1 / 0\n")
+    with pytest.raises(SystemExit) as stop:
+        main([a.format(tmp=tmp_path) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and said in err, err
+
+
+def test_a_resumed_upstream_auto_run_says_its_routing_starts_afresh(capsys):
+    from jagg_patch.upstream.__main__ import jagg_parser, preflight
+    flags = dict(use_group=True, train_batch_size=1, num_generations=4, gradient_accumulation_steps=4,
+                 sampling_steps=8, timestep_fraction=0.6, h=64, w=64, clip_range=1e-4, adv_clip_max=5.0)
+    jagg = jagg_parser().parse_args(["--jagg_frac", "auto", "--jagg_monitor_every", "5"])
+    preflight(argparse.Namespace(**flags, resume_from_checkpoint=None), jagg, "flux")
+    assert "starts its --jagg_frac auto routing afresh" not in capsys.readouterr().out
+    preflight(argparse.Namespace(**flags, resume_from_checkpoint="checkpoint-40-0"), jagg, "flux")
+    assert "a resumed upstream run starts its --jagg_frac auto routing afresh" in capsys.readouterr().out
