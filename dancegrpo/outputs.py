@@ -59,12 +59,9 @@ def written(ctx, what, write, checkpoint=None):
     try:
         kept = "no step was trained yet" if checkpoint is None else f"the training so far is kept in {checkpoint()!r}"
     except DiskFullError:
-        previous = ckpt.latest_checkpoint(out)
-        kept = ("no checkpoint of this step could be written either; " +
-                (f"the previous checkpoint {previous!r} is intact" if previous else "no earlier checkpoint exists"))
-    raise DiskFullError(f"no space left to write {what} in {out!r} ({why}); {kept}. Free space, or keep fewer "
-                        "checkpoints with --checkpoints_total_limit N, then resume with --resume_from_checkpoint "
-                        "latest.") from None
+        kept = f"no checkpoint of this step could be written either; {ckpt.previous_kept(out)}"
+    raise DiskFullError(f"no space left to write {what} in {out!r} ({why}); {kept}. "
+                        f"{ckpt.FULL_DISK_ADVICE}") from None
 
 
 def _retain(output_dir, prune):

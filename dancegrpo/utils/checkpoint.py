@@ -132,14 +132,20 @@ def _disk_full_cause(error):
     return "No space left on device" in str(error) or "Disk quota exceeded" in str(error) or None
 
 
-def _disk_full(output_dir, final, cause):
+FULL_DISK_ADVICE = ("Free space, or keep fewer checkpoints with --checkpoints_total_limit N (older ones are deleted "
+                    "before the next is written), then resume with --resume_from_checkpoint latest.")
+
+
+def previous_kept(output_dir):
+    """What a full disk leaves to resume from, in words."""
     previous = latest_checkpoint(output_dir)
-    kept = f"the previous checkpoint {previous!r} is intact" if previous else "no earlier checkpoint exists"
+    return f"the previous checkpoint {previous!r} is intact" if previous else "no earlier checkpoint exists"
+
+
+def _disk_full(output_dir, final, cause):
     why = getattr(cause, "strerror", None) or "No space left on device"
-    return DiskFullError(
-        f"no space left to write {os.path.basename(final)} in {output_dir!r} ({why}). The partial folder was "
-        f"removed; {kept}. Free space, or keep fewer checkpoints with --checkpoints_total_limit N (older ones "
-        "are deleted before the next is written), then resume with --resume_from_checkpoint latest.")
+    return DiskFullError(f"no space left to write {os.path.basename(final)} in {output_dir!r} ({why}). The partial "
+                         f"folder was removed; {previous_kept(output_dir)}. {FULL_DISK_ADVICE}")
 
 
 def save_checkpoint(output_dir, step, epoch, engine, config, rank, ema_state=None, extra_state=None,
