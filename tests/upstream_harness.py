@@ -2,7 +2,6 @@
 namespace package without __init__.py, never installed nor on PYTHONPATH) as the tests drive them:
 one train_one_step with the gradients read at every optimizer step, the rollout it drew, and an
 independent float64 reference of JAGG built from the stand-in's own grpo_one_step."""
-import contextlib
 import copy
 import functools
 import importlib
@@ -11,6 +10,7 @@ import os
 import shutil
 import sys
 
+import pytest
 import torch
 
 from helpers import REPO_ROOT
@@ -45,22 +45,27 @@ def forget_fastvideo():
         del sys.modules[name]
 
 
-@contextlib.contextmanager
-def standin_process_group():
+# Fixtures of every module that drives the stand-ins (imported there by name, which registers them).
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
     """Upstream's step needs a process group (it all-gathers, all-reduces and waits at barriers): a
-    one-rank gloo group while inside. The stand-in checkout is not put on sys.path by hand:
+    one-rank gloo group for the module. The stand-in checkout is not put on sys.path by hand:
     load_trainer puts it there, as it does for a user's checkout."""
     from jagg_patch.upstream import load_trainer
     saved_path = list(sys.path)
     load_trainer(standin_file("flux"))
     standin_setup().init_single_process_group()
-    try:
-        yield
-    finally:
-        import torch.distributed as dist
-        dist.destroy_process_group()
-        sys.path[:] = saved_path
-        forget_fastvideo()
+    yield
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    sys.path[:] = saved_path
+    forget_fastvideo()
+
+
+@pytest.fixture(autouse=True)
+def in_tmp(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)   # upstream appends to its reward file in the working folder
 
 
 def flat(tensors):
@@ -142,6 +147,25 @@ def recorded_rollout(module):
         return box["result"]
     module.sample_reference_model = recording
     return box, original
+
+
+def jagg_step_and_its_draw(standin, trained, **config):
+    """One train_one_step of the stand-in under apply(**config), with one optimizer step (GA = B): (its
+    gradient, its stats, the rollout's result, the transitions upstream drew right after the rollout:
+    the first `trained` of each sample's randperm), the weights restored afterwards."""
+    from jagg_patch.upstream import apply, revert
+    box, original = recorded_rollout(standin.module)
+    apply(standin.module, **config)
+    try:
+        _, (grad,), _, _ = standin.step()
+        stats = standin.module.train_one_step.last_stats
+    finally:
+        revert(standin.module)
+        standin.module.sample_reference_model = original
+    torch.set_rng_state(box["rng"])
+    steps = torch.stack([torch.randperm(standin.args.sampling_steps - 1) for _ in range(B)])[:, :trained]
+    standin.transformer.load_state_dict(standin.initial)
+    return grad, stats, box["result"], steps
 
 
 # ---------------------------------------------------------------- an independent reference of JAGG

@@ -32,24 +32,13 @@ from jagg_patch.upstream import (UpstreamChanged, UpstreamSourceChanged, apply, 
 from jagg_patch.upstream.fingerprint import family_of
 from jagg_patch.seams import UpstreamRelease
 from helpers import REPO_ROOT, dist_check, dist_id
-from upstream_harness import (B, FAMILY, FILES, GA, STANDIN, Standin, copy_checkout, forget_fastvideo, grad_of,
-                              recorded_rollout, rel, standin_file, standin_process_group)
+from upstream_harness import (B, FAMILY, FILES, GA, STANDIN, Standin, copy_checkout, forget_fastvideo,  # noqa: F401
+                              grad_of, in_tmp, one_rank_group, recorded_rollout, rel, standin_file)
 
 ROOT = REPO_ROOT
 # The stand-ins are no release of upstream's, so each apply warns (UpstreamSourceChanged); the tests
 # of that warning catch it themselves.
 pytestmark = pytest.mark.filterwarnings("ignore::jagg_patch.upstream.UpstreamSourceChanged")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with standin_process_group():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)   # upstream appends to ./reward.txt
 
 
 # ---------------------------------------------------------------- loading and the launcher

@@ -19,17 +19,11 @@ from jagg_patch.seams import UPSTREAM_RELEASES
 from jagg_patch.upstream import apply, load_trainer, revert, token_hash
 from jagg_patch.upstream.fingerprint import nearest_release
 from jagg_patch.upstream import tokenhash
-from upstream_harness import (B, FAMILY, Standin, recorded_rollout, reference_jagg_gradient, rel, standin_file,
-                              standin_process_group)
+from upstream_harness import (B, FAMILY, Standin, in_tmp, jagg_step_and_its_draw, one_rank_group,  # noqa: F401
+                              reference_jagg_gradient, rel, standin_file)
 from upstream_releases import RECORDED_AS, RELEASES, release, standin_releases, write_release
 
 NAMES = [name for name, *_ in RELEASES]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with standin_process_group():
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +33,6 @@ def known(tmp_path_factory):
     hashes = {name: token_hash(load_trainer(write_release(folder / name.replace("@", "_"), name)).train_one_step)
               for name in NAMES}
     return hashes, standin_releases(hashes)
-
-
-@pytest.fixture(autouse=True)
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)   # upstream appends to its reward file in the working folder
 
 
 def test_the_stand_ins_group_into_releases_as_the_recorded_hashes_do(known):
@@ -112,20 +101,10 @@ def test_each_release_runs_jagg_as_the_independent_reference(name, known, cache_
     _, key, _, _ = release(name)
     standin = Standin(key, cache_dir, tmp_path, "--gradient_accumulation_steps", B,
                       path=write_release(tmp_path / "checkout", name))
-    box, original = recorded_rollout(standin.module)
-    apply(standin.module, window=4, jagg_frac=1.0, backward="split", reuse="off", releases=known[1])
-    try:
-        _, (adapter_grad,), _, _ = standin.step()
-        stats = standin.module.train_one_step.last_stats
-    finally:
-        revert(standin.module)
-        standin.module.sample_reference_model = original
-    result = box["result"]
-    torch.set_rng_state(box["rng"])
-    steps = torch.stack([torch.randperm(7) for _ in range(B)])[:, :4]
+    adapter_grad, stats, result, steps = jagg_step_and_its_draw(standin, 4, window=4, jagg_frac=1.0, backward="split",
+                                                                reuse="off", releases=known[1])
     r = result[0].float()
     advantages = (r - r.mean()) / (r.std() + 1e-8)
-    standin.transformer.load_state_dict(standin.initial)
     reference = reference_jagg_gradient(standin, result, steps, advantages, B * 4)
     assert rel(adapter_grad, reference) < 1e-10
     assert (stats["jagg_groups"], stats["transformer_backwards"], stats["backward_calls"]) == (B, 2 * B, 2 * B)

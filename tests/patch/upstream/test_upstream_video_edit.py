@@ -11,22 +11,11 @@ import torch
 
 from jagg_patch.upstream import UpstreamUnsupported, apply, load_trainer, revert
 from jagg_patch.upstream.fingerprint import family_of
-from upstream_harness import (B, GA, Standin, copy_checkout, recorded_rollout, reference_jagg_gradient, rel,
-                              standin_file, standin_process_group)
+from upstream_harness import (B, GA, Standin, copy_checkout, in_tmp, jagg_step_and_its_draw,  # noqa: F401
+                              one_rank_group, recorded_rollout, reference_jagg_gradient, rel, standin_file)
 
 pytestmark = pytest.mark.filterwarnings("ignore::jagg_patch.upstream.UpstreamSourceChanged")
 S, N = 8, 4   # sampling steps; trained transitions per sample (int(7 * 0.6))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    with standin_process_group():
-        yield
-
-
-@pytest.fixture(autouse=True)
-def in_tmp(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)   # upstream appends to ./reward.txt
 
 
 def upstream_advantages(rewards, grouped):
@@ -54,18 +43,8 @@ CASES = [("qwenimage_edit", (), True, "joint", "timestep", 1e-10),
 def test_jagg_equals_the_independent_reference(key, flags, grouped, backward, alpha, tolerance, cache_dir, tmp_path):
     """W 4 over each sample's 4 trained transitions (one group), GA B (one optimizer step)."""
     standin = Standin(key, cache_dir, tmp_path, "--gradient_accumulation_steps", B, *flags, group=grouped)
-    box, original = recorded_rollout(standin.module)
-    apply(standin.module, window=4, jagg_frac=1.0, backward=backward, alpha=alpha, reuse="off")
-    try:
-        _, (adapter_grad,), _, _ = standin.step()
-        stats = standin.module.train_one_step.last_stats
-    finally:
-        revert(standin.module)
-        standin.module.sample_reference_model = original
-    result = box["result"]
-    torch.set_rng_state(box["rng"])
-    steps = torch.stack([torch.randperm(S - 1) for _ in range(B)])[:, :N]
-    standin.transformer.load_state_dict(standin.initial)
+    adapter_grad, stats, result, steps = jagg_step_and_its_draw(standin, N, window=4, jagg_frac=1.0,
+                                                                backward=backward, alpha=alpha, reuse="off")
     reference = reference_jagg_gradient(standin, result, steps, upstream_advantages(result[0], grouped), B * N,
                                         alpha)
     assert rel(adapter_grad, reference) < tolerance
