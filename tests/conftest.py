@@ -20,6 +20,8 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: tens of seconds of runs or processes (learning checks, scripts, "
                                        "two-rank launches); still run in CI, started first under -n")
+    # Set on the units below; pytest-xdist registers it too, where it runs.
+    config.addinivalue_line("markers", "xdist_group(name): a work unit that stays on one worker under -n")
     # With workers (-n N): whole work units (loadgroup), in the order given below (no reordering). These
     # are pytest-xdist's options, so they are set here, only where it runs, and not in pyproject's
     # addopts, where `pytest -p no:xdist` stops at them as unknown flags. A --dist given by hand wins.
