@@ -124,9 +124,13 @@ class DeepSpeedEngine(Engine):
     def close(self):
         """Tear the process group down through DeepSpeed, which drops its cached groups with it: a
         second run in the same process (a sweep, a notebook) otherwise broadcasts over the destroyed
-        group and fails. The single-process environment variables go too."""
+        group and fails. The engine's gradient hooks go first (DeepSpeedEngine.destroy): they sit on
+        autograd's nodes, outside Python's garbage collector, and kept the engine, hence its groups
+        and their gloo threads, alive to interpreter exit. The single-process environment variables
+        go too."""
         import deepspeed.comm
         import torch.distributed as dist
+        self.engine.destroy()
         if dist.is_initialized():
             dist.barrier()  # as dancegrpo.utils.communications.shutdown: no rank tears down early
             deepspeed.comm.destroy_process_group()
@@ -219,3 +223,4 @@ class DeepSpeedEngine(Engine):
                                               load_module_strict=False)
         if path is None:
             raise ConfigError(f"DeepSpeed could not load the engine state in {folder!r}/{TAG}")
+
