@@ -164,9 +164,10 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, s
                        counted_apart=counter.apart if counter is not None else contextlib.nullcontext)
 
 
-def rollout(module, family_name, update, named):
+def rollout(module, family_name, update, named, rows=1):
     """Upstream's group repeat and its own sample_reference_model (with the transformer's outputs
-    recorded when the update reuses them) -> (Trajectories without advantages, rewards)."""
+    recorded when the update reuses them; `rows`: a call's rows per sample) -> (Trajectories without
+    advantages, rewards)."""
     family = FAMILIES[family_name]
     args = named["args"]
     prompts, caption = family.prompts(named)
@@ -176,8 +177,7 @@ def rollout(module, family_name, update, named):
     elif family.needs_group:
         raise ValueError(needs_group(family_name))
     family.check(prompts)
-    recorder = (RolloutRecorder(named["transformer"], family.call_rows(args)) if wants_rollout_outputs(update)
-                else None)
+    recorder = RolloutRecorder(named["transformer"], rows) if wants_rollout_outputs(update) else None
     with recorder or contextlib.nullcontext():
         result = call_by_name(module.sample_reference_model,
                               {**named, **family.rollout_values(prompts), "caption": caption})
@@ -199,11 +199,12 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
     family = FAMILIES[trainer.family]
     args, transformer, device = named["args"], named["transformer"], named["device"]
     optimizer, ga = named["optimizer"], args.gradient_accumulation_steps
-    counter, t_start = PassCounter(transformer, family.call_rows(args)), time.time()
+    rows = family.call_rows(args)
+    counter, t_start = PassCounter(transformer, rows), time.time()
     try:
         if family.zero_grad_first:
             optimizer.zero_grad()
-        traj, rewards = rollout(module, trainer.family, update, named)
+        traj, rewards = rollout(module, trainer.family, update, named, rows)
         gathered = module.gather_tensor(rewards)
         report_rewards(gathered, trainer)
         traj.advantages = upstream_advantages(rewards, gathered, args)
