@@ -13,6 +13,7 @@ import uuid
 import torch
 
 from .errors import MissingFileError
+from .utils.communications import launch_world_size
 
 PROMPTS_FILE = os.path.join(os.path.dirname(__file__), "assets", "prompts.txt")
 PRESET_VERSION = 1  # bump when a preset's models or data change, so stale caches are rebuilt
@@ -217,7 +218,7 @@ def preset_defaults(family, name, cache_dir):
     """Materialize the preset and return the flag defaults it sets."""
     root = materialize_preset(family, name, cache_dir)
     spec = preset_spec(family, name)
-    defaults = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], int(os.environ.get("WORLD_SIZE", "1")))
+    defaults = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], launch_world_size())
     defaults.update(pretrained_model_name_or_path=root,
                     data_json_path=os.path.join(root, "data", "prompts.json"))
     return defaults

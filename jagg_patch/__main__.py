@@ -3,10 +3,11 @@
 Runs a dancegrpo trainer (e.g. dancegrpo.train_grpo_flux) with its policy-update
 seam replaced by JAGG. Works the same under torchrun.
 """
-import os
 import sys
 
-from .cli import check_trajectory, jagg_kwargs, jagg_plan_text, trainer_cli
+from dancegrpo.utils.communications import print_on_rank0
+
+from .cli import check_trajectory, jagg_config, jagg_plan_text, trainer_cli
 from .patch import apply_jagg
 
 USAGE = """usage: python -m jagg_patch TRAINER_MODULE [trainer flags] [--jagg_* flags]
@@ -37,9 +38,8 @@ def main(argv=None):
     from dancegrpo.args import parse_args
     args = parse_args(parser, rest)
     check_trajectory(args)
-    apply_jagg(module, **jagg_kwargs(args))
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(jagg_plan_text(args), flush=True)
+    apply_jagg(jagg_config(args), trainer_module=module)
+    print_on_rank0(jagg_plan_text(args))
     return _exit_on_config_error(module.main)(args)
 
 

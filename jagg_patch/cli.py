@@ -2,9 +2,11 @@
 entry point: loading the trainer, the JAGG flags, and the start-up plan."""
 import argparse
 import importlib
-import os
 import sys
 
+from dancegrpo.utils.communications import launch_world_size, print_on_rank0
+
+from .config import JaggConfig
 from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
 
 from .plan import describe_plan, group_cost, num_trained_windows, plan_groups, plan_windows
@@ -119,12 +121,13 @@ def add_jagg_args(parser):
     return parser
 
 
-def jagg_kwargs(args):
-    """apply_jagg / make_policy_update keywords from the parsed JAGG flags."""
-    return dict(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
-                backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout,
-                monitor_every=args.jagg_monitor_every, monitor_samples=args.jagg_monitor_samples,
-                min_cos=args.jagg_min_cos)
+def jagg_config(args):
+    """The JaggConfig of the parsed JAGG flags, after the checks that need the trainer's geometry
+    (check_trajectory); a bad combination is one line, exit 2."""
+    try:
+        return JaggConfig.from_args(args)
+    except ValueError as e:
+        fail(str(e))
 
 
 AUTO_MONITOR_EVERY = 10
@@ -135,15 +138,14 @@ def monitor_for_auto(args):
     AUTO_MONITOR_EVERY steps (said once)."""
     if args.jagg_frac == "auto" and not args.jagg_monitor_every:
         args.jagg_monitor_every = AUTO_MONITOR_EVERY
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with --jagg_monitor_every "
-                  f"{AUTO_MONITOR_EVERY} (give another N to change it)", flush=True)
+        print_on_rank0(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with "
+                       f"--jagg_monitor_every {AUTO_MONITOR_EVERY} (give another N to change it)")
 
 
 def check_trajectory(args):
     """The checks that need the trainer's geometry, before any model is loaded."""
     monitor_for_auto(args)
-    if args.jagg_monitor_every and args.jagg_grouping == "window" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if args.jagg_monitor_every and args.jagg_grouping == "window" and launch_world_size() > 1:
         fail("--jagg_monitor_every with --jagg_grouping window on several ranks: the ranks' samples train "
              "different windows, so their measuring passes would not line up; use --jagg_grouping trained")
     if getattr(args, "sde_window_size", 0) and args.jagg_grouping == "window":

@@ -15,15 +15,16 @@ cosines are of the full gradient, the mean of the ranks' monitored samples: each
 of it (its FSDP shard, or its slice of the all-reduced mean under DeepSpeed) and the dot products
 are summed over ranks, not the vectors.
 """
-import os
+import math
 import time
 from collections import defaultdict
 
 import torch
 
 from dancegrpo.engines.probe import GradProbe
+from dancegrpo.utils.communications import print_on_rank0
 
-from .core import jagg_group_backward
+from .similarity import gradient_similarity
 
 MEASURED = ("jagg", "endpoints")
 
@@ -37,24 +38,11 @@ def _probe_of(batch):
     return GradProbe(batch.parameters())
 
 
-def _sum_over_ranks(t):
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t.tolist()
-
-
 def compare(exact, approx):
-    """(cos, relative error) of two gradients given as lists of (this rank's shards of) tensors."""
-    device = exact[0].device if exact else torch.device("cpu")
-    sums = torch.zeros(4, dtype=torch.float64, device=device)   # e.a, a.a, e.e, (e-a).(e-a)
-    for e, a in zip(exact, approx):
-        e, a = e.double(), a.double()
-        sums += torch.stack([(e * a).sum(), (a * a).sum(), (e * e).sum(), ((e - a) ** 2).sum()])
-    ea, aa, ee, dd = _sum_over_ranks(sums)   # one host sync per comparison, not one per tensor
-    if ee == 0 or aa == 0:
-        return None   # a sample without gradient (advantage 0): no direction to compare
-    return ea / (ee * aa) ** 0.5, (dd / ee) ** 0.5
+    """(cos, relative error) of two gradients given as lists of (this rank's shards of) tensors,
+    summed over ranks; None where either is zero (a sample without gradient: advantage 0)."""
+    result = gradient_similarity(exact, approx)
+    return None if math.isnan(result.cos) else (result.cos, result.relerr)
 
 
 class Monitor:
@@ -72,9 +60,10 @@ class Monitor:
             return False
         return batch.step == 1 or batch.step % self.every == 0
 
-    def measure(self, batch, groups):
+    def measure(self, batch, groups, group_backward):
         """The metrics of one measurement; groups(sub) yields (position, sub-batch, cols [m, w]) of a
-        one-sample batch, every group (routing plays no part)."""
+        one-sample batch, every group (routing plays no part); group_backward is the update's own
+        (jagg_patch.update.group_backward), so the monitor measures the passes the update runs."""
         self._last_step = batch.step
         start = time.perf_counter()
         values = defaultdict(list)
@@ -84,24 +73,20 @@ class Monitor:
                 one = batch.subset(torch.tensor([row], device=batch.steps.device))
                 for position, sub, cols in groups(one):
                     if cols.shape[1] >= 2:
-                        self._measure_group(probe, sub, cols, position, values)
+                        self._measure_group(probe, sub, cols, position, values, group_backward)
         metrics = {name: sum(v) / len(v) for name, v in sorted(values.items())}
         metrics["monitor_time_s"] = time.perf_counter() - start
         if not values:
             # Every monitored sample's gradient was zero (the same on every rank: summed over them).
             metrics["monitor_skipped"] = 1
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"step {batch.step}: the JAGG monitor measured nothing: the gradient of its samples is zero "
-                      "(advantage 0: every reward of their group alike), so there is no direction to compare; "
-                      "--jagg_frac auto keeps its routing until the next measurement", flush=True)
+            print_on_rank0(f"step {batch.step}: the JAGG monitor measured nothing: the gradient of its samples is "
+                           "zero (advantage 0: every reward of their group alike), so there is no direction to "
+                           "compare; --jagg_frac auto keeps its routing until the next measurement")
         return metrics
 
-    def _measure_group(self, probe, sub, cols, position, values):
+    def _measure_group(self, probe, sub, cols, position, values, group_backward):
         def gradient(mode):
-            jagg_group_backward(
-                lambda j: sub.predict(cols[:, j]), lambda j, v: sub.step_loss(cols[:, j], v),
-                sub.timesteps.to(cols.device)[cols].T, mode, self.alpha, self.backward, probe.backward, None,
-                lambda i, j: sub.predict_batched([cols[:, i], cols[:, j]]))
+            group_backward(sub, cols, mode, self.alpha, self.backward, probe.backward)
             return probe.take()
         exact = gradient("exact")
         for mode in MEASURED:

@@ -8,10 +8,27 @@ import torch
 import torch.distributed as dist
 
 
+def launch_rank():
+    """This process's rank as torchrun set it (0 outside torchrun): known before the group exists, and
+    in tools and launchers that never join one."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def launch_world_size():
+    """The number of ranks torchrun started (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def print_on_rank0(message, file=None):
+    """A line said once per run, not once per rank."""
+    if launch_rank() == 0:
+        print(message, file=file, flush=True)
+
+
 def init_distributed():
     """Join the torchrun process group if there is one. Returns (rank, world_size, local_rank, device)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    world_size, rank = launch_world_size(), launch_rank()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)

@@ -57,7 +57,8 @@ from .comm_count import count_fsdp_collectives
 from ..core import resolve_backward
 from ..plan import Group
 from .cost_model import sample_groups, seconds, sum_passes
-from ..patch import make_policy_update, make_window_selection
+from ..config import JaggConfig
+from ..update import make_policy_update, make_window_selection
 
 PAPER_STEP_GAIN = {"flux": 0.183, "qwenimage": 0.172}
 # The targets for the default (reuse on_policy, GA covering the rollout), CPU small preset.
@@ -92,12 +93,11 @@ def _variant(mode):
 
 def _make_update(args, mode):
     jagg_mode, backward, reuse, auto = _variant(mode)
-    if not auto:
-        return make_policy_update(args.jagg_window, args.jagg_frac, jagg_mode, args.jagg_alpha, backward,
-                                  args.jagg_grouping, reuse)
-    return make_policy_update(args.jagg_window, "auto", jagg_mode, args.jagg_alpha, backward, args.jagg_grouping,
-                              reuse, monitor_every=1, monitor_samples=args.jagg_monitor_samples,
-                              min_cos=args.jagg_min_cos)
+    config = JaggConfig(window=args.jagg_window, jagg_frac="auto" if auto else args.jagg_frac, mode=jagg_mode,
+                        alpha=args.jagg_alpha, backward=backward, grouping=args.jagg_grouping, reuse=reuse,
+                        monitor_every=1 if auto else 0, monitor_samples=args.jagg_monitor_samples,
+                        min_cos=args.jagg_min_cos)
+    return make_policy_update(config)
 
 
 def _sync(device):

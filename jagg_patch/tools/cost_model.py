@@ -21,7 +21,11 @@ checkpointing (the upstream recipes) about 3 F, since it recomputes the forward.
 """
 from dataclasses import dataclass
 
+import torch
+
 from ..plan import group_cost, num_trained_windows, plan_groups, plan_windows
+from ..update import groups_of
+
 
 def group_passes(group, mode="jagg", schedule="project"):
     """(grad forwards, no-grad forwards, backwards) of one group of one sample."""
@@ -44,12 +48,11 @@ def seconds(passes, f_grad, f_nograd, backward):
 
 
 def sample_groups(steps_row, num_transitions, window, jagg_frac, grouping="trained"):
-    """The groups one sample's update runs: its trained transitions (-1 pads ignored) grouped
-    as the patched policy_update groups them."""
-    row = sorted(int(k) for k in steps_row if int(k) >= 0)
-    if grouping == "window":
-        return [g for g in plan_windows(num_transitions, window, jagg_frac) if g.members[0] in row]
-    return plan_groups(row, window, jagg_frac)
+    """The groups one sample's update runs: its trained transitions (-1 pads train nothing) grouped
+    as the patched policy_update groups them (members: positions in its sorted transitions under the
+    trained grouping, transitions under the window grouping)."""
+    steps = torch.as_tensor([int(k) for k in steps_row], dtype=torch.long).reshape(1, -1)
+    return [g for _, _, g in groups_of(steps, num_transitions, window, jagg_frac, grouping)]
 
 
 @dataclass

@@ -18,8 +18,8 @@ import sys
 import torch
 
 from ..cli import check_trajectory, trainer_cli
-from ..core import jagg_group_backward
-from ..plan import plan_groups, plan_windows
+from ..similarity import gradient_similarity
+from ..update import group_backward, groups_of
 
 # (row key, mode, alpha rule) of each approximation compared with the exact group gradient.
 VARIANTS = (("jagg", "jagg", "timestep"), ("jagg_index", "jagg", "index"), ("endpoints", "endpoints", "timestep"))
@@ -54,34 +54,23 @@ def _accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha="timestep")
     ctx.transformer.zero_grad(set_to_none=True)
     for start in range(0, cols.shape[0], batch_size):
         idx = torch.arange(start, min(start + batch_size, cols.shape[0]), device=cols.device)
-        batch, c = make_batch(idx), cols[idx]
-        jagg_group_backward(lambda j: batch.predict(c[:, j]), lambda j, v: batch.step_loss(c[:, j], v),
-                            batch.timesteps.to(c.device)[c].T, mode if c.shape[1] > 1 else "exact", alpha)
+        c = cols[idx]
+        group_backward(make_batch(idx), c, mode if c.shape[1] > 1 else "exact", alpha, "joint")
 
 
 def _compare_to(params, exact):
-    """(cos, relative error) of the current .grad against `exact`, reduced parameter by
-    parameter in float64 so no flat copy of the gradient is ever built."""
-    dot = got2 = exact2 = diff2 = 0.0
-    for p, e in zip(params, exact):
-        g = (p.grad if p.grad is not None else torch.zeros_like(p)).double()
-        e = e.double()
-        dot += float((g * e).sum())
-        got2 += float((g * g).sum())
-        exact2 += float((e * e).sum())
-        diff2 += float(((g - e) ** 2).sum())
-    cos = dot / (got2 * exact2) ** 0.5 if got2 * exact2 > 0 else float("nan")
-    return cos, (diff2 / exact2) ** 0.5 if exact2 > 0 else float("nan"), exact2 ** 0.5
+    """(cos, relative error, |exact|) of the current .grad against `exact` (this process's, not
+    summed over ranks)."""
+    return tuple(gradient_similarity(exact, [p.grad for p in params], over_ranks=False))
 
 
 def measured_groups(steps, window, grouping="trained", num_transitions=None):
-    """[(group, cols [N, w])]: every group planned as JAGG. trained: groups of the sorted
-    trained transitions `steps` [N, n]; window: every trajectory window, on every sample."""
+    """[(group, cols [N, w])]: every group planned as JAGG, as the update enumerates them. trained:
+    groups of the sorted trained transitions `steps` [N, n]; window: every trajectory window, on
+    every sample (as if every sample trained every transition)."""
     if grouping == "window":
-        return [(g, torch.tensor(g.members, device=steps.device).expand(steps.shape[0], -1))
-                for g in plan_windows(num_transitions, window, 1.0)]
-    ks = steps.sort(dim=1).values
-    return [(g, ks[:, list(g.members)]) for g in plan_groups(range(ks.shape[1]), window, 1.0)]
+        steps = torch.arange(num_transitions, device=steps.device).expand(steps.shape[0], -1)
+    return [(g, cols) for _, cols, g in groups_of(steps, num_transitions, window, 1.0, grouping)]
 
 
 def group_similarities(ctx, make_batch, groups, batch_size, timesteps=None):

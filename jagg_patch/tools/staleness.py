@@ -16,8 +16,8 @@ import sys
 
 import torch
 
-from ..cli import check_trajectory, jagg_kwargs, trainer_cli
-from ..patch import make_policy_update
+from ..cli import check_trajectory, jagg_config, trainer_cli
+from ..update import make_policy_update
 
 
 def _grads(ctx):
@@ -33,14 +33,14 @@ def measure(module, args):
     ctx = trainer.setup(args, module.FAMILY(args))
     prepared = trainer.prepare_update(ctx, module.select_train_steps, keep_outputs=True, step=1)
     rollout, cond, adv = prepared.rollout, prepared.cond, prepared.advantages
-    kw = jagg_kwargs(args)
+    config = jagg_config(args)
     steps, idx = prepared.selection.steps, torch.arange(adv.numel(), device=ctx.device)
     normaliser = prepared.normaliser
 
     def gradient(reuse, on_policy):
         ctx.optimizer.zero_grad(set_to_none=True)
         trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, idx, steps, normaliser,
-                                           make_policy_update(**{**kw, "reuse": reuse}), on_policy=on_policy)
+                                           make_policy_update(config.replace(reuse=reuse)), on_policy=on_policy)
         return _grads(ctx)
 
     ctx.transformer.train()
@@ -56,7 +56,7 @@ def measure(module, args):
                          weight_change=float((_weights(ctx) - start).norm() / start.norm())))
     ctx.counter.remove()
     return dict(family=ctx.family.name, learning_rate=args.learning_rate, samples=adv.numel(), rows=rows,
-                jagg=kw)
+                jagg=config.as_dict())
 
 
 def format_report(r):

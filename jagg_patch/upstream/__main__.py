@@ -8,8 +8,9 @@ import argparse
 import os
 import sys
 
-from ..cli import add_jagg_args, check_trajectory, fail, jagg_kwargs, jagg_plan_text, monitor_for_auto
-from ..core import validate_jagg_config
+from dancegrpo.utils.communications import launch_rank
+
+from ..cli import add_jagg_args, check_trajectory, fail, jagg_config, jagg_plan_text, monitor_for_auto
 from .families import FAMILIES
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint
 from .loader import load_trainer, run_main_block
@@ -117,7 +118,7 @@ def preflight(upstream_args, jagg, family, trainer=None):
         plan = jagg_plan_text(merged, FAMILIES[family].output_bytes)
     except Exception as e:  # noqa: BLE001  (a ConfigError of the plan: a bad fraction or S; Wan without --cfg_infer)
         fail(str(e))
-    if int(os.environ.get("RANK", "0")) == 0:
+    if launch_rank() == 0:
         if trainer is not None:
             print(f"jagg_patch.upstream: {trainer.describe()}", flush=True)
         print(plan, flush=True)
@@ -150,17 +151,13 @@ def main(argv=None):
         sys.exit(0 if argv else 2)
     jagg, script, upstream_argv = split_argv(argv)
     monitor_for_auto(jagg)
-    try:
-        validate_jagg_config(jagg.jagg_window, jagg.jagg_frac, jagg.jagg_mode, jagg.jagg_alpha, jagg.jagg_backward,
-                             jagg.jagg_grouping, jagg.jagg_reuse_rollout)
-    except ValueError as e:
-        fail(str(e))
+    config = jagg_config(jagg)   # checked here, once: apply and the update take the object as it is
     module = load_or_fail(script)
     try:
         if jagg.jagg_fingerprint:
             print(describe_fingerprint(fingerprint(module)))
             return 0
-        family = apply(module, **jagg_kwargs(jagg), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
+        family = apply(module, config, allow_upstream_changes=jagg.jagg_allow_upstream_changes)
     except (ValueError, UpstreamChanged, UpstreamUnsupported) as e:
         fail(str(e))
     upstream_main = module.main

@@ -6,9 +6,10 @@ import os
 import uuid
 
 from dancegrpo.algo.grpo import select_train_steps
+from dancegrpo.utils.communications import launch_rank, print_on_rank0
 
-from ..core import validate_jagg_config
-from ..patch import make_policy_update, make_window_selection
+from ..config import as_config
+from ..update import make_policy_update, make_window_selection
 from .families import FAMILIES
 from .fingerprint import check_upstream
 from .step import train_step
@@ -16,16 +17,11 @@ from .step import train_step
 _ORIGINALS = {}   # module name -> upstream's own train_one_step, while patched
 
 
-def _print_on_rank0(message):
-    if int(os.environ.get("RANK", "0")) == 0:
-        print(message, flush=True)
-
-
 def _write_metrics_line(args, record):
     """<output_dir>/jagg_metrics.jsonl, one line per step on rank 0; appended (lines of other runs
     in the folder are kept, told apart by run_id)."""
     output_dir = getattr(args, "output_dir", None)
-    if not output_dir or int(os.environ.get("RANK", "0")) != 0:
+    if not output_dir or launch_rank() != 0:
         return
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "jagg_metrics.jsonl"), "a") as f:
@@ -44,13 +40,13 @@ def make_train_one_step(module, trainer, update, select, original):
         if train_one_step.calls == 0:
             note = FAMILIES[trainer.family].clip_note(bound.arguments["transformer"])
             if note:
-                _print_on_rank0(note)
+                print_on_rank0(note)
         result, stats = train_step(module, trainer, update, select, bound.arguments, step=train_one_step.calls + 1)
         train_one_step.calls += 1
         train_one_step.last_stats = stats
         _write_metrics_line(bound.arguments["args"], {"step": train_one_step.calls, "run_id": run_id,
                                                       "family": trainer.family, "release": release,
-                                                      **update.jagg_config, **stats})
+                                                      **update.jagg_config.as_dict(), **stats})
         return result
 
     train_one_step.__signature__ = signature
@@ -61,24 +57,21 @@ def make_train_one_step(module, trainer, update, select, original):
     return train_one_step
 
 
-def apply(module, window=4, jagg_frac=0.6, mode="jagg", alpha="timestep", backward="joint", reuse="on_policy",
-          grouping="trained", allow_upstream_changes=False, releases=None, monitor_every=0, monitor_samples=2,
-          min_cos=0.8):
-    """Replace module.train_one_step (upstream's own, from load_trainer or an import) by JAGG's.
-    mode "exact" reproduces upstream's step; grouping "window" is the authors' (it draws windows,
-    not upstream's transitions). monitor_every / monitor_samples / min_cos and jagg_frac "auto":
-    jagg_patch.make_policy_update's; upstream's micro-batch is one sample, so the monitor measures
-    each rank's first sample of the step. releases: the known releases of train_one_step (default
+def apply(module, config=None, *, allow_upstream_changes=False, releases=None, **settings):
+    """Replace module.train_one_step (upstream's own, from load_trainer or an import) by JAGG's, with
+    a JaggConfig (or its settings by name: window=4, jagg_frac=0.6, ...). mode "exact" reproduces
+    upstream's step; grouping "window" is the authors' (it draws windows, not upstream's
+    transitions); upstream's micro-batch is one sample, so the monitor measures each rank's first
+    sample of the step. releases: the known releases of train_one_step (default
     jagg_patch.seams.UPSTREAM_RELEASES). Applying again only changes the configuration. Returns the
     family; the replacement's `jagg_trainer` says what the checks found (its known release)."""
-    validate_jagg_config(window, jagg_frac, mode, alpha, backward, grouping, reuse)
+    config = as_config(config, **settings)
     original = _ORIGINALS.get(module.__name__, getattr(module, "train_one_step", None))
     if original is not None:
         module.train_one_step = original   # the fingerprint is of upstream's own function
     trainer = check_upstream(module, allow_upstream_changes, releases)
-    update = make_policy_update(window, jagg_frac, mode, alpha, backward, grouping, reuse, monitor_every,
-                                monitor_samples, min_cos)
-    select = make_window_selection(window) if grouping == "window" else select_train_steps
+    update = make_policy_update(config)
+    select = make_window_selection(config.window) if config.grouping == "window" else select_train_steps
     _ORIGINALS[module.__name__] = original
     module.train_one_step = make_train_one_step(module, trainer, update, select, original)
     return trainer.family

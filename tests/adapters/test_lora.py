@@ -116,7 +116,7 @@ def test_jagg_lora_gradient_equals_float64_reference(make_args):
             signal_last = signal_last + alpha[j] * s_j
         surrogate = surrogate + (first * signal_first).sum() + (last * signal_last).sum()
     ref = torch.autograd.grad(surrogate, [t for ab in factors.values() for t in ab])
-    apply_jagg(train_grpo_flux, window=4, jagg_frac=1.0)
+    apply_jagg(trainer_module=train_grpo_flux, window=4, jagg_frac=1.0)
     try:
         stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, normaliser,
                                                    train_grpo_flux.policy_update)

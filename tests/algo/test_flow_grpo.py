@@ -187,7 +187,7 @@ def one_step(make_args, jagg=None, *argv):
     import dancegrpo.train_grpo_flux as flux
     from jagg_patch import apply_jagg, revert_jagg
     if jagg:
-        apply_jagg(flux, **jagg)
+        apply_jagg(trainer_module=flux, **jagg)
     try:
         args = make_args(*FAST, *argv)
         ctx = trainer.setup(args, flux.FAMILY(args))

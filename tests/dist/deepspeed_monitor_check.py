@@ -31,7 +31,7 @@ def stepped_weights(raw, family, data, stage, monitor_every):
     engine = engine_of(copy.deepcopy(raw), stage)
     batch = update_batch(engine.model, family, data)
     batch.backward, batch.gradient_probe = engine.backward, engine.gradient_probe
-    stats = make_policy_update(W, 1.0, backward="split", monitor_every=monitor_every, monitor_samples=1)(batch)
+    stats = make_policy_update(window=W, jagg_frac=1.0, backward="split", monitor_every=monitor_every, monitor_samples=1)(batch)
     engine.optimizer_step(lambda norm: None)
     return stats.metrics, engine.full_state()
 

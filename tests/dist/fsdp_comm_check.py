@@ -41,7 +41,7 @@ def check(cache_dir, workdir, flags):
     result = {"world_size": world, "samples_per_rank": len(mine), "forms": {}}
     for form, spec in FORMS.items():
         update = vanilla_update if spec is None else make_policy_update(
-            args.jagg_window, 1.0, backward=spec[0], reuse=spec[1])
+            window=args.jagg_window, jagg_frac=1.0, backward=spec[0], reuse=spec[1])
         ctx.transformer.zero_grad(set_to_none=True)
         with count_fsdp_collectives(ctx.transformer) as counts:
             stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update,

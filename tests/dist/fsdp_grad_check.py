@@ -15,7 +15,8 @@ from dancegrpo.utils.data import PromptEmbeddingDataset, collate_prompts
 from dancegrpo.algo.rollout import predict_velocity
 from dancegrpo.algo.objective import transition_log_prob
 from jagg_patch import apply_jagg
-from jagg_patch.cli import add_jagg_args, jagg_kwargs
+from jagg_patch import JaggConfig
+from jagg_patch.cli import add_jagg_args
 
 
 def same_data_on_every_rank(ctx, ref_model, num_prompts):
@@ -45,7 +46,7 @@ def check_args(cache_dir, workdir, flags):
     parser.add_argument("--apply_jagg", action="store_true")
     args = parse_args(parser, ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", workdir, *flags])
     if args.apply_jagg:
-        apply_jagg(train_grpo_flux, **jagg_kwargs(args))
+        apply_jagg(JaggConfig.from_args(args), trainer_module=train_grpo_flux)
     return args
 
 

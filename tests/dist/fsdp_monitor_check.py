@@ -74,7 +74,7 @@ def check(cache_dir, workdir, flags):
     for monitor_every in (0, 1):
         for p in model.parameters():
             p.grad = None
-        stats = make_policy_update(W, 1.0, backward="split", monitor_every=monitor_every, monitor_samples=1)(
+        stats = make_policy_update(window=W, jagg_frac=1.0, backward="split", monitor_every=monitor_every, monitor_samples=1)(
             update_batch(model, family, data))
         shards[monitor_every] = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
     measured = {k: v for k, v in stats.metrics.items() if "/g" in k}

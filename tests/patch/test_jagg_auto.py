@@ -77,17 +77,17 @@ def _grads(model, update, batch):
 
 def test_auto_routes_exactly_the_linear_position_and_trains_as_that_fixed_routing():
     model = SwitchedField()
-    auto = make_policy_update(W, "auto", backward="split", monitor_every=5, monitor_samples=M, min_cos=0.8)
+    auto = make_policy_update(window=W, jagg_frac="auto", backward="split", monitor_every=5, monitor_samples=M, min_cos=0.8)
     stats, routed = _grads(model, auto, _batch(model))
     assert abs(stats.metrics["jagg_cos/g0"] - 1) < 1e-12 and stats.metrics["jagg_relerr/g0"] < 1e-10
     assert stats.metrics["jagg_cos/g1"] < 0.6   # measured 0.51: far below the threshold
     assert stats.metrics["jagg_routed"] == 0b01 and auto.routing.routed == {0}
     assert (stats.jagg_groups, stats.exact_groups) == (M, M)
     # The same routing by a fixed fraction: the first of the two positions (round_half_up(2 x 0.5) = 1).
-    fixed_stats, fixed = _grads(model, make_policy_update(W, 0.5, backward="split"), _batch(model))
+    fixed_stats, fixed = _grads(model, make_policy_update(window=W, jagg_frac=0.5, backward="split"), _batch(model))
     assert all(torch.equal(a, b) for a, b in zip(routed, fixed)) and fixed_stats.loss == stats.loss
     # Before any measurement every position is exact: a step that is not measured after a fresh start.
-    fresh = make_policy_update(W, "auto", backward="split", monitor_every=5, monitor_samples=M)
+    fresh = make_policy_update(window=W, jagg_frac="auto", backward="split", monitor_every=5, monitor_samples=M)
     unmeasured, _ = _grads(model, fresh, _batch(model, step=2))
     assert (unmeasured.jagg_groups, unmeasured.exact_groups, unmeasured.metrics) == (0, 2 * M, {"jagg_routed": 0})
 
@@ -143,7 +143,7 @@ def test_a_resumed_auto_run_routes_and_trains_as_the_unbroken_one(cache_dir, tmp
 def test_a_measurement_with_nothing_to_compare_says_so_and_keeps_the_routing(capsys):
     """All-zero advantages: no gradient, no cosine to log; one line says why, the routing stays."""
     model = SwitchedField()
-    auto = make_policy_update(W, "auto", backward="split", monitor_every=1, monitor_samples=M, min_cos=0.8)
+    auto = make_policy_update(window=W, jagg_frac="auto", backward="split", monitor_every=1, monitor_samples=M, min_cos=0.8)
     _grads(model, auto, _batch(model))
     assert auto.routing.routed == {0}
     stats, _ = _grads(model, auto, _batch(model, step=2, advantage_scale=0.0))   # advantage 0 for every sample

@@ -61,7 +61,7 @@ def test_trainer_batched_equals_joint_float64(make_args, reuse):
         ctx.transformer.zero_grad(set_to_none=True)
         ctx.counter.reset()
         stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, 32,
-                                                   make_policy_update(4, 1.0, backward=backward, reuse=reuse),
+                                                   make_policy_update(window=4, jagg_frac=1.0, backward=backward, reuse=reuse),
                                                    on_policy=True)
         grads = torch.cat([p.grad.reshape(-1) for p in ctx.transformer.parameters()])
         return grads, stats, ctx.counter.as_dict()

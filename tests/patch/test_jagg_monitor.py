@@ -59,7 +59,7 @@ def test_the_monitors_cosines_equal_a_float64_computation_and_leave_the_gradient
 
     def update(monitor_every):
         ctx.optimizer.zero_grad(set_to_none=True)
-        stats = make_policy_update(WINDOW, 1.0, monitor_every=monitor_every, monitor_samples=MONITORED)(
+        stats = make_policy_update(window=WINDOW, jagg_frac=1.0, monitor_every=monitor_every, monitor_samples=MONITORED)(
             trainer.make_update_batch(ctx, rollout, cond, adv, idx, steps[idx], normaliser, True))
         return stats, [p.grad.clone() for p in ctx.raw_transformer.parameters() if p.requires_grad]
     plain_stats, plain = update(0)

@@ -9,7 +9,7 @@ import dancegrpo
 import dancegrpo.algo.grpo as grpo
 import dancegrpo.train_grpo_flux as flux
 from dancegrpo import trainer
-from jagg_patch import SeamError, apply_jagg, check_seams, is_patched, jagg_group_backward, revert_jagg
+from jagg_patch import JaggConfig, SeamError, apply_jagg, check_seams, is_patched, jagg_group_backward, revert_jagg
 
 from helpers import FAST, captured_step
 
@@ -66,9 +66,10 @@ def test_apply_twice_then_revert_restores_original_objects():
     apply_jagg(window=4)
     apply_jagg(window=2, jagg_frac=1.0)
     assert flux.policy_update is not originals["dancegrpo.train_grpo_flux"]
-    assert flux.policy_update.jagg_config == dict(window=2, jagg_frac=1.0, mode="jagg", alpha="timestep",
-                                                  backward="joint", grouping="trained", reuse="on_policy",
-                                                  monitor_every=0, monitor_samples=2, min_cos=0.8)
+    assert flux.policy_update.jagg_config == JaggConfig(window=2, jagg_frac=1.0)
+    assert flux.policy_update.jagg_config.as_dict() == dict(window=2, jagg_frac=1.0, mode="jagg", alpha="timestep",
+                                                            backward="joint", grouping="trained", reuse="on_policy",
+                                                            monitor_every=0, monitor_samples=2, min_cos=0.8)
     assert flux.select_train_steps is grpo.select_train_steps   # the trained grouping keeps vanilla's choice
     assert grpo.policy_update is originals["dancegrpo.train_grpo_flux"]  # the library function is untouched
     revert_jagg()
@@ -80,15 +81,15 @@ def test_apply_twice_then_revert_restores_original_objects():
 
 def test_apply_rejects_bad_config_without_patching():
     with pytest.raises(ValueError, match="window"):
-        apply_jagg(flux, window=1)
+        apply_jagg(trainer_module=flux, window=1)
     with pytest.raises(ValueError, match="mode"):
-        apply_jagg(flux, mode="fast")
+        apply_jagg(trainer_module=flux, mode="fast")
     assert flux.policy_update is grpo.policy_update
 
 
 def test_vanilla_after_revert_equals_never_patched(make_args):
     never_record, never, _ = captured_step(make_args)
-    apply_jagg(flux, window=4, jagg_frac=1.0)
+    apply_jagg(trainer_module=flux, window=4, jagg_frac=1.0)
     _, jagg, _ = captured_step(make_args)
     revert_jagg(flux)
     record, after, _ = captured_step(make_args)
@@ -102,7 +103,7 @@ def test_vanilla_after_revert_equals_never_patched(make_args):
 
 def test_exact_mode_reproduces_vanilla(make_args):
     vanilla_record, vanilla, _ = captured_step(make_args)
-    apply_jagg(flux, window=4, jagg_frac=1.0, mode="exact")
+    apply_jagg(trainer_module=flux, window=4, jagg_frac=1.0, mode="exact")
     record, exact, _ = captured_step(make_args)
     assert_grads_close(exact, vanilla)  # same transitions, only summed in another order (float32)
     assert record["loss"] == pytest.approx(vanilla_record["loss"], rel=1e-4, abs=1e-9)
@@ -112,7 +113,7 @@ def test_exact_mode_reproduces_vanilla(make_args):
 
 def test_window_two_reproduces_vanilla(make_args):
     _, vanilla, _ = captured_step(make_args)
-    apply_jagg(flux, window=2, jagg_frac=1.0)
+    apply_jagg(trainer_module=flux, window=2, jagg_frac=1.0)
     record, window2, _ = captured_step(make_args)
     assert record["jagg_groups"] == 2 * 8  # really routed through the JAGG code path
     assert_grads_close(window2, vanilla)
@@ -126,7 +127,7 @@ def test_window_two_reproduces_vanilla(make_args):
 ])
 def test_step_counts(make_args, window, frac, backwards_per_sample, jagg, exact):
     vanilla_record, _, _ = captured_step(make_args)
-    apply_jagg(flux, window=window, jagg_frac=frac, reuse="off")  # every middle member forwarded
+    apply_jagg(trainer_module=flux, window=window, jagg_frac=frac, reuse="off")  # every middle member forwarded
     record, _, _ = captured_step(make_args)
     samples, n = record["samples"], record["train_timesteps"]
     assert vanilla_record["transformer_backwards"] == n * samples
@@ -157,7 +158,7 @@ def test_batched_jagg_update_equals_per_sample_groups(make_args):
         return torch.cat([p.grad.reshape(-1) for p in ctx.raw_transformer.parameters()])
 
     from jagg_patch import make_policy_update
-    batched = grads(lambda: make_policy_update(4, 1.0)(
+    batched = grads(lambda: make_policy_update(window=4, jagg_frac=1.0)(
         trainer.make_update_batch(ctx, rollout, cond, adv, idx, steps[idx], 32)))
 
     def one_by_one():

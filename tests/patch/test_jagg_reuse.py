@@ -84,7 +84,7 @@ def test_trainer_on_policy_reuse_equals_recomputation_float64(make_args, backwar
     def update(reuse, on_policy):
         ctx.transformer.zero_grad(set_to_none=True)
         stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, normaliser,
-                                                   make_policy_update(4, 1.0, backward=backward, reuse=reuse),
+                                                   make_policy_update(window=4, jagg_frac=1.0, backward=backward, reuse=reuse),
                                                    on_policy=on_policy)
         return grads_of(ctx.transformer), stats
 
@@ -103,7 +103,7 @@ def test_trainer_on_policy_reuse_equals_recomputation_float64(make_args, backwar
 def step_with_spy(make_args, monkeypatch, reuse, *argv):
     """One train_one_step with 8 samples (test_jagg_window's captured_step); records (on_policy,
     samples) of every rollout_output read; returns the record, the reads and the flat gradient."""
-    apply_jagg(flux, window=4, jagg_frac=1.0, reuse=reuse)
+    apply_jagg(trainer_module=flux, window=4, jagg_frac=1.0, reuse=reuse)
     reads, original = [], trainer.make_update_batch
 
     @functools.wraps(original)   # the seam check reads the signature

@@ -43,7 +43,7 @@ def test_window_exact_mode_equals_float64_per_step_reference(make_args, update_b
     params = [p for p in ctx.transformer.parameters() if p.requires_grad]
     ref = torch.autograd.grad(reference_loss(ctx.transformer, rollout, cond, adv, sel.steps, ctx.sigmas, args,
                                              normaliser), params)
-    update = make_policy_update(W, 1.0, "exact", grouping="window")
+    update = make_policy_update(window=W, jagg_frac=1.0, mode="exact", grouping="window")
     stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), sel.steps, normaliser,
                                                update)
     assert rel(grads_of(ctx.transformer), ref) < 1e-10
@@ -62,7 +62,7 @@ def test_window_index_split_equals_the_authors_schedule(make_args):
     n = adv.numel()
     sel = window_selection(n)
     normaliser = args.gradient_accumulation_steps * 2 * W
-    update = make_policy_update(W, 1.0, "jagg", alpha="index", backward="split", grouping="window")
+    update = make_policy_update(window=W, jagg_frac=1.0, mode="jagg", alpha="index", backward="split", grouping="window")
     stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), sel.steps, normaliser,
                                                update)
     got = grads_of(ctx.transformer)
@@ -85,13 +85,13 @@ def test_window_index_split_equals_the_authors_schedule(make_args):
     # and it is an approximation: not the exact per-step gradient of the same windows
     ctx.transformer.zero_grad(set_to_none=True)
     trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), sel.steps, normaliser,
-                                       make_policy_update(W, 1.0, "exact", grouping="window"))
+                                       make_policy_update(window=W, jagg_frac=1.0, mode="exact", grouping="window"))
     assert rel(got, grads_of(ctx.transformer)) > 1e-6
 
 
 def test_window_counts_end_to_end(make_args, monkeypatch):
     # jagg_frac 0.3 -> round_half_up(0.9) = 1: window 0 JAGG, window 1 exact (3), window 2 exact (1)
-    apply_jagg(flux, window=W, jagg_frac=0.3, grouping="window", alpha="index", backward="split")
+    apply_jagg(trainer_module=flux, window=W, jagg_frac=0.3, grouping="window", alpha="index", backward="split")
     drawn, patched = [], flux.select_train_steps
     monkeypatch.setattr(flux, "select_train_steps", lambda *a, **k: drawn.append(patched(*a, **k)) or drawn[-1])
     record, _, _ = captured_step(make_args, "--timestep_fraction", "0.7")
@@ -135,7 +135,7 @@ def test_activation_peak_metric_joint_vs_split(make_args):
     is below the joint one's (one endpoint graph alive instead of two)."""
     peaks = {}
     for backward in ("joint", "split"):
-        apply_jagg(flux, window=4, jagg_frac=1.0, backward=backward)
+        apply_jagg(trainer_module=flux, window=4, jagg_frac=1.0, backward=backward)
         record, _, ctx = captured_step(make_args, "--update_batch_size", "8")
         assert ctx.activation_meter.live_bytes == 0
         peaks[backward] = record["activation_peak_mb"]

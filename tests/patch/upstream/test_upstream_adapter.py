@@ -206,7 +206,7 @@ def test_jagg_equals_jagg_patch_on_this_projects_trainer(family, alpha, backward
     standin.transformer.load_state_dict(standin.initial)
     standin.transformer.zero_grad(set_to_none=True)
     rollout = trainer.Rollout(all_latents, all_log_probs, [], rewards)
-    update = make_policy_update(4, 1.0, "jagg", alpha, backward, grouping, reuse="off")
+    update = make_policy_update(window=4, jagg_frac=1.0, mode="jagg", alpha=alpha, backward=backward, grouping=grouping, reuse="off")
     trainer.accumulate_policy_gradient(ctx, rollout, project_cond(family, standin.batch), advantages,
                                        torch.arange(B), steps, B * n, update)
     project_grad = grad_of([p for p in standin.transformer.parameters() if p.requires_grad])
@@ -276,7 +276,7 @@ def test_the_monitor_measures_what_it_measures_on_this_trainer_and_leaves_the_st
     ctx = dataclasses.replace(project_context(make_args, "flux", standin.transformer), step=1)
     standin.transformer.load_state_dict(standin.initial)
     standin.transformer.zero_grad(set_to_none=True)
-    update = make_policy_update(3, 1.0, "jagg", "timestep", "split", "trained", reuse="off", monitor_every=1,
+    update = make_policy_update(window=3, jagg_frac=1.0, mode="jagg", alpha="timestep", backward="split", grouping="trained", reuse="off", monitor_every=1,
                                 monitor_samples=1)
     project = trainer.accumulate_policy_gradient(ctx, trainer.Rollout(all_latents, all_log_probs, [], rewards),
                                                  project_cond("flux", standin.batch), advantages, torch.arange(B),

@@ -1,0 +1,79 @@
+"""One JAGG configuration: every setting of the update in one frozen object, checked once when it
+is made, then passed by name (`make_policy_update(config)`, `apply_jagg(config)`,
+`jagg_patch.upstream.apply(module, config)`, the tools).
+
+    from jagg_patch import JaggConfig
+    config = JaggConfig(window=4, jagg_frac=0.6)                      # the paper
+    authors = JaggConfig(window=4, jagg_frac=1.0, grouping="window", alpha="index", backward="split")
+
+A new JAGG setting is one field here (its check in `__post_init__`), one flag in
+`jagg_patch.cli.add_jagg_args` read by `from_args`, and the code that uses it.
+"""
+import dataclasses
+from dataclasses import dataclass
+
+from .core import validate_jagg_config
+from .routing import AUTO
+
+
+@dataclass(frozen=True)
+class JaggConfig:
+    window: int = 4                # W: transitions per group
+    jagg_frac: object = 0.6        # fraction of the groups (highest noise first) through JAGG, or "auto"
+    mode: str = "jagg"             # core.MODES
+    alpha: str = "timestep"        # core.ALPHA_RULES: the paper's text | the authors' code
+    backward: str = "joint"        # core.BACKWARD_CHOICES ("auto": resolved per call by the world size)
+    grouping: str = "trained"      # core.GROUPINGS
+    reuse: str = "on_policy"       # core.REUSE_MODES: middle members' outputs from the rollout
+    monitor_every: int = 0         # the live fidelity monitor at step 1 and every N steps; 0: off
+    monitor_samples: int = 2       # samples of the step's first micro-batch it measures on
+    min_cos: float = 0.8           # with jagg_frac "auto": the smoothed cosine a position needs
+
+    def __post_init__(self):
+        validate_jagg_config(self.window, self.jagg_frac, self.mode, self.alpha, self.backward, self.grouping,
+                             self.reuse)
+        for name in ("monitor_every", "monitor_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "monitor_samples"):
+                raise ValueError(f"JAGG {name} must be an integer >= {int(name == 'monitor_samples')}, got {value!r}")
+        if isinstance(self.min_cos, bool) or not isinstance(self.min_cos, (int, float)) \
+                or not -1.0 <= self.min_cos <= 1.0:
+            raise ValueError(f"JAGG min_cos must be a cosine in [-1, 1], got {self.min_cos!r}")
+        if self.jagg_frac == AUTO and not self.monitor_every:
+            raise ValueError("jagg_frac 'auto' routes by the monitor's cosines: give monitor_every N > 0 "
+                             "(--jagg_monitor_every)")
+
+    @property
+    def auto(self):
+        return self.jagg_frac == AUTO
+
+    @property
+    def uses_rollout_outputs(self):
+        """Whether the update reads the rollout's model outputs (the rollout must keep them)."""
+        return self.reuse != "off" and self.mode != "exact" and (self.auto or self.jagg_frac > 0)
+
+    def replace(self, **changes):
+        """A copy with `changes` (checked as a new config)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_args(cls, args):
+        """The config of the parsed --jagg_* flags (jagg_patch.cli.add_jagg_args)."""
+        return cls(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
+                   backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout,
+                   monitor_every=args.jagg_monitor_every, monitor_samples=args.jagg_monitor_samples,
+                   min_cos=args.jagg_min_cos)
+
+
+def as_config(config=None, **settings):
+    """`config` (a JaggConfig), with `settings` changed; or, without one, a JaggConfig of the keyword
+    settings: the documented keyword form of every entry point builds the config here."""
+    if config is None:
+        return JaggConfig(**settings)
+    if not isinstance(config, JaggConfig):
+        raise TypeError(f"expected a jagg_patch.JaggConfig, got {type(config).__name__}; pass the settings by name "
+                        "(window=4, jagg_frac=0.6, ...) or JaggConfig(...)")
+    return config.replace(**settings) if settings else config
