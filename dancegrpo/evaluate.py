@@ -32,7 +32,6 @@ row); one of other metrics is refused.
 import argparse
 import contextlib
 import csv
-import importlib
 import json
 import math
 import os
@@ -43,35 +42,31 @@ import time
 import torch
 
 from . import presets
-from .adapters.origin import AdapterMismatch, check_adapter, origin_problem, read_origin
-from .errors import NonFiniteError
+from .algo.sampling import denoise, ode, sde_per_sample
+from .algo.sde import model_timesteps, sigma_schedule
+from .errors import ConfigError, NonFiniteError
+from .eval_report import (earlier_summaries, merged_summaries, nonfinite_summary, table_header, table_row,
+                          write_comparison)
+from .models.base import compute_autocast
+from .models.checkpoints import load_transformer, load_vae, precheck_checkpoint
+from .models.registry import family_class, family_names
 from .run.finite import nonfinite_parameters
 from .run.readers import ReaderLock, run_folder_of
 from .run.rundir import RunLock
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
-from .models.base import compute_autocast
 from .utils.samples import tile
-from .algo.sde import flux_step, model_timesteps, sigma_schedule
 
-# family -> (module, family class, transformer class, VAE class); families import lazily.
-FAMILIES = {
-    "flux": ("dancegrpo.models.flux", "FluxFamily", "FluxTransformer2DModel", "AutoencoderKL"),
-    "qwenimage": ("dancegrpo.models.qwenimage", "QwenImageFamily", "QwenImageTransformer2DModel",
-                  "AutoencoderKLQwenImage"),
-}
-WEIGHTS_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
-                 "diffusion_pytorch_model.bin")
 DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream's Flux training geometry
 
 
-class EvalError(Exception):
+class EvalError(ConfigError):
     """Bad input; the message names the fix."""
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m dancegrpo.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--family", choices=sorted(FAMILIES), default="flux")
+    p.add_argument("--family", choices=family_names(), default="flux")
     p.add_argument("--preset", default=None, help="Embedded model + prompt data (e.g. 'tiny'); sets defaults.")
     p.add_argument("--cache_dir", default="./cache_dir", help="Where presets are built.")
     p.add_argument("--checkpoint", action="append", default=[], metavar="[LABEL=]PATH",
@@ -180,90 +175,7 @@ def safe_name(label):
     return re.sub(r"[^A-Za-z0-9._-]+", "_", label).strip("._") or "checkpoint"
 
 
-# ------------------------------------------------------------------ models and prompts
-def family_parts(name):
-    module, family_cls, transformer_cls, vae_cls = FAMILIES[name]
-    try:
-        family = getattr(importlib.import_module(module), family_cls)
-    except (ImportError, AttributeError) as e:
-        raise EvalError(f"--family {name}: {module}.{family_cls} is not available ({e})") from None
-    return family, transformer_cls, vae_cls
-
-
-LORA_FILE = "pytorch_lora_weights.safetensors"
-
-
-def transformer_folder(path):
-    """(folder, subfolder) of the transformer in a checkpoint or base model folder; (path, LORA_FILE)
-    for a LoRA checkpoint (an adapter on the base model)."""
-    if os.path.isfile(os.path.join(path, LORA_FILE)):
-        return path, LORA_FILE
-    if os.path.isfile(os.path.join(path, "config.json")) and any(
-            os.path.isfile(os.path.join(path, f)) for f in WEIGHTS_FILES):
-        return path, None
-    if os.path.isfile(os.path.join(path, "transformer", "config.json")):
-        return path, "transformer"
-    raise EvalError(f"Checkpoint {path!r} is neither a transformer folder (config.json + "
-                    f"{WEIGHTS_FILES[0]}, as the trainer writes checkpoint-STEP-EPOCH/), a LoRA checkpoint "
-                    f"({LORA_FILE}), nor a base model folder with transformer/config.json")
-
-
-def precheck_checkpoint(path, base, cls_name):
-    """Before anything loads: `path` is a transformer, and an adapter comes with its base and was
-    recorded (when it was) as trained on this family's transformer and the base's architecture."""
-    folder, sub = transformer_folder(path)
-    if sub != LORA_FILE:
-        return
-    if not base:
-        raise EvalError(f"{path!r} is a LoRA adapter: pass --pretrained_model_name_or_path (its base model)")
-    record = read_origin(os.path.join(folder, LORA_FILE))
-    if record is None:
-        return   # checked key by key once the base is loaded
-    base_folder, base_sub = transformer_folder(base)
-    if base_sub == LORA_FILE:
-        raise EvalError(f"--pretrained_model_name_or_path {base!r} is a LoRA adapter, not a base model")
-    with open(os.path.join(base_folder, base_sub or "", "config.json")) as f:
-        config = {**json.load(f), "_class_name": cls_name}
-    problem = origin_problem(record, config, path)
-    if problem:
-        raise EvalError(problem)
-
-
-def load_transformer(cls_name, path, device, base=None):
-    """The transformer of `path`; a LoRA checkpoint is loaded onto `base`'s transformer with
-    diffusers' load_lora_adapter (alpha from the adapter's stored LoraConfig)."""
-    import diffusers
-    folder, sub = transformer_folder(path)
-    if sub == LORA_FILE:
-        if not base:
-            raise EvalError(f"{path!r} is a LoRA adapter: pass --pretrained_model_name_or_path (its base model)")
-        model = load_transformer(cls_name, base, device)
-        try:
-            check_adapter(os.path.join(folder, LORA_FILE), model)
-        except AdapterMismatch as e:
-            raise EvalError(str(e)) from None
-        model.load_lora_adapter(folder, prefix="transformer", weight_name=LORA_FILE)
-        return model.eval().requires_grad_(False)
-    with open(os.path.join(folder, sub or "", "config.json")) as f:
-        found = json.load(f).get("_class_name")
-    if found and found != cls_name:
-        raise EvalError(f"{path!r} holds a {found}, not a {cls_name}; pick the matching --family")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = getattr(diffusers, cls_name).from_pretrained(folder, subfolder=sub, torch_dtype=dtype)
-    return model.to(device).eval().requires_grad_(False)
-
-
-def load_vae(cls_name, args, device):
-    import diffusers
-    root = args.vae_model_path or args.pretrained_model_name_or_path
-    if not os.path.isfile(os.path.join(root, "vae", "config.json")):
-        raise EvalError(f"VAE folder {os.path.join(root, 'vae')!r} lacks config.json; point "
-                        "--pretrained_model_name_or_path (or --vae_model_path) at the base model folder")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(diffusers, cls_name).from_pretrained(root, subfolder="vae", torch_dtype=dtype) \
-        .to(device).eval().requires_grad_(False)
-
-
+# ------------------------------------------------------------------ prompts
 def read_prompt_file(path):
     if not os.path.isfile(path):
         raise EvalError(f"--prompt_file {path!r} does not exist")
@@ -300,24 +212,18 @@ def sample_seed(seed, prompt_index, image_index):
 # ------------------------------------------------------------------ generation and scoring
 @torch.no_grad()
 def generate(args, family, transformer, vae, cond, seeds, device):
-    """Images for one batch: cond rows and per-image seeds. ODE by default, SDE with --sde."""
+    """Images for one batch: cond rows and per-image seeds. ODE by default, the trainer's SDE kernel
+    (DanceGRPO's) with --sde, each image's noise from its own generator."""
     sigmas = sigma_schedule(args.sampling_steps, args.shift)
-    timesteps = model_timesteps(sigmas)
     gens = [torch.Generator().manual_seed(s) for s in seeds]
     z = torch.cat([family.initial_noise(1, g, device) for g in gens]).float()
-    x0 = None
-    for i in range(args.sampling_steps):
-        t = timesteps[i].expand(z.shape[0]).to(device)
+
+    def predict(x, t):
         with compute_autocast(device, args.mixed_precision):
-            v = family.predict(transformer, z.to(transformer.dtype), t, cond)
-        mean, x0 = flux_step(v.float(), z, args.eta, sigmas, i, grpo=False, sde_solver=args.sde)
-        if args.sde:
-            std = args.eta * math.sqrt(float(sigmas[i]) - float(sigmas[i + 1]))
-            noise = torch.stack([torch.randn(z.shape[1:], generator=g) for g in gens]).to(device)
-            z = mean + std * noise
-        else:
-            z = mean  # Euler step of the probability-flow ODE: x + dsigma * v
-    return family.decode(vae, x0)
+            return family.predict(transformer, x.to(transformer.dtype), t, cond).float()
+
+    step = sde_per_sample("dance", args.eta, sigmas, gens) if args.sde else ode(sigmas)
+    return family.decode(vae, denoise(predict, z, sigmas, model_timesteps(sigmas), step).x0)
 
 
 def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label, path, device):
@@ -376,31 +282,13 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
     return summary
 
 
-def table_header(metric_names):
-    head = "| checkpoint | images | " + " | ".join(f"{n} (mean ± s.e.)" for n in metric_names) + " |"
-    return head + "\n|" + "---|" * (len(metric_names) + 2)
-
-
-def nonfinite_summary(label, path, names, reason):
-    """The row of a checkpoint that cannot be scored: flagged, with no metric to rank."""
-    return {"label": label, "checkpoint": os.path.abspath(path), "num_images": 0, "nonfinite": reason,
-            "metrics": {n: {"mean": None, "std": None, "sem": None} for n in names}}
-
-
-def table_row(summary):
-    if summary.get("nonfinite"):
-        return (f"| {summary['label']} (NON-FINITE) | 0 | "
-                + " | ".join("n/a" for _ in summary["metrics"]) + " |")
-    cells = [f"{m['mean']:.4f} ± {m['sem']:.4f}" for m in summary["metrics"].values()]
-    return f"| {summary['label']} | {summary['num_images']} | " + " | ".join(cells) + " |"
-
-
 def run(args, stack):
     """Check the input, claim the output folder (held on `stack`, a contextlib.ExitStack, until it
     closes), score every checkpoint, write the table. Returns this evaluation's summaries."""
     from .utils.data import PromptEmbeddingDataset
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    family_cls, transformer_cls, vae_cls = family_parts(args.family)
+    family_cls = family_class(args.family)
+    transformer_cls, vae_cls = family_cls.transformer_class_name, family_cls.vae_class_name
     family = family_cls(args)
     try:
         dataset = PromptEmbeddingDataset(args.data_json_path, family.embedding_fields)
@@ -434,42 +322,6 @@ def run(args, stack):
         print(table_row(summary), flush=True)
     write_comparison(args.output_dir, names, merged_summaries(earlier, summaries))
     return summaries
-
-
-def earlier_summaries(output_dir, names):
-    """The rows an earlier evaluation wrote to output_dir/comparison.json (none: []); refused when they
-    score other metrics, whose columns the table could not hold."""
-    path = os.path.join(output_dir, "comparison.json")
-    if not os.path.isfile(path):
-        return []
-    try:
-        with open(path) as f:
-            earlier = json.load(f)
-        theirs = list(earlier[0]["metrics"]) if earlier else names
-    except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
-        raise EvalError(f"{path!r} cannot be read ({e}); it is an earlier evaluation's: move it away or choose "
-                        "another --output_dir") from None
-    if theirs != names:
-        raise EvalError(f"--output_dir {output_dir!r} holds an evaluation of the metrics {theirs}, this one scores "
-                        f"{names}: the table would mix columns; choose another --output_dir")
-    return earlier
-
-
-def merged_summaries(earlier, summaries):
-    """The earlier rows, a label evaluated again replaced by its new row (said once), then the new ones."""
-    labels = {s["label"] for s in summaries}
-    replaced = [s["label"] for s in earlier if s["label"] in labels]
-    if replaced:
-        print(f"notice: {', '.join(replaced)} evaluated again: the earlier row is replaced", file=sys.stderr,
-              flush=True)
-    return [s for s in earlier if s["label"] not in labels] + summaries
-
-
-def write_comparison(output_dir, names, summaries):
-    with open(os.path.join(output_dir, "table.md"), "w") as f:
-        f.write(table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n")
-    with open(os.path.join(output_dir, "comparison.json"), "w") as f:
-        json.dump(summaries, f, indent=1)
 
 
 def hold_run_folders(checkpoints, stack):

@@ -11,7 +11,7 @@ import json
 import torch
 from safetensors import safe_open
 
-from ..models.base import FAMILY_OF_CLASS
+from ..models.registry import family_of_class
 
 ORIGIN_KEY = "dancegrpo_origin"   # safetensors metadata: JSON of origin_record
 PREFIX = "transformer."   # diffusers' key prefix of a transformer adapter
@@ -41,7 +41,7 @@ def read_origin(path):
 
 
 def _label(cls_name):
-    family = FAMILY_OF_CLASS.get(cls_name)
+    family = family_of_class(cls_name)
     return f"{cls_name} ({family})" if family else str(cls_name)
 
 

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.base import compute_autocast
-from .kernels import ode_transition, sde_transition
-from .sde import at_least_fp32
+from .sampling import denoise, ode, sde, windowed
 
 
 @dataclass
@@ -51,19 +50,9 @@ def run_sample_step(ctx, z, cond, generator, window=None):
     outputs [B, S, L, C]).
     """
     args = ctx.args
-    all_latents, all_log_probs, all_outputs = [z], [], []
-    for i in range(ctx.sigmas.numel() - 1):
-        t = ctx.timesteps[i].expand(z.shape[0]).to(z.device)
-        v = predict_velocity(ctx, z, t, cond)
-        x0 = at_least_fp32(z) - float(ctx.sigmas[i]) * v   # flux_step's pred_original_sample
-        if window is None or window[0] <= i < window[1]:
-            z, log_prob = sde_transition(args.sde_type, v, z, args.eta, ctx.sigmas, i, generator=generator)
-        else:
-            z, log_prob = ode_transition(v, z, ctx.sigmas, i), torch.zeros(z.shape[0], device=z.device)
-        all_latents.append(z)
-        all_log_probs.append(log_prob)
-        all_outputs.append(v)
-    return x0, torch.stack(all_latents, dim=1), torch.stack(all_log_probs, dim=1), torch.stack(all_outputs, dim=1)
+    step = windowed(sde(args.sde_type, args.eta, ctx.sigmas, generator), ode(ctx.sigmas), window)
+    traj = denoise(lambda x, t: predict_velocity(ctx, x, t, cond), z, ctx.sigmas, ctx.timesteps, step, keep=True)
+    return traj.x0, traj.latents, traj.log_probs, traj.outputs
 
 
 def window_generator(ctx):

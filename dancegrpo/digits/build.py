@@ -22,112 +22,15 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..models.flux import FluxFamily
-from ..models.qwenimage import QwenImageFamily
-from ..presets import save_flux_embeddings, save_qwenimage_embeddings
+from ..models.registry import family_names, family_part
 from . import data
 
 SIZE = 64
 
 
-class FluxWorld:
-    """Flux: AutoencoderKL (4-D images, one scalar shift and scale), T5-like tokens plus a pooled
-    CLIP-like vector, text_ids in upstream's [3] layout."""
-    family = FluxFamily
-    vae = ("AutoencoderKL", dict(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
-        latent_channels=16, norm_num_groups=8, scaling_factor=1.0, shift_factor=0.0, use_quant_conv=False,
-        use_post_quant_conv=False))
-    transformer = ("FluxTransformer2DModel", dict(
-        patch_size=1, in_channels=64, num_layers=1, num_single_layers=1, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
-        axes_dims_rope=(4, 4, 8)))
-    text = dict(tokens=8, dim=32, pooled_dim=32)
-
-    @staticmethod
-    def vae_input(x):
-        return x
-
-    @staticmethod
-    def normalise(vae, z):
-        """The family decodes latents / scaling_factor + shift_factor: make the training latents
-        N(0, 1)-like with one shift and scale."""
-        vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
-        return (z - vae.config.shift_factor) * vae.config.scaling_factor
-
-    def embeddings(self, seed):
-        """{prompt: {"encoder_hidden_states": [T, D], "pooled_prompt_embeds": [P]}}, fixed random per prompt."""
-        g = torch.Generator().manual_seed(seed)
-        return {p: {"encoder_hidden_states": torch.randn(self.text["tokens"], self.text["dim"], generator=g),
-                    "pooled_prompt_embeds": torch.randn(self.text["pooled_dim"], generator=g)}
-                for p, _ in data.all_prompts()}
-
-    @staticmethod
-    def conditions(embeds, prompts):
-        """Batch-first cond dict for the family's predict, one row per prompt."""
-        cond = {k: torch.stack([embeds[p][k] for p in prompts])
-                for k in ("encoder_hidden_states", "pooled_prompt_embeds")}
-        cond["text_ids"] = torch.zeros(len(prompts), 3)
-        return cond
-
-    @staticmethod
-    def save_embeddings(root, embeds):
-        return save_flux_embeddings(root, [(p, t["encoder_hidden_states"], t["pooled_prompt_embeds"])
-                                           for p, t in embeds.items()])
-
-
-class QwenImageWorld:
-    """Qwen-Image: AutoencoderKLQwenImage (one-frame videos [N, 3, 1, H, W], per-channel
-    latents_mean / latents_std in its config, as the real model has), zero-padded token
-    embeddings of varying true length with their mask."""
-    family = QwenImageFamily
-    vae = ("AutoencoderKLQwenImage", dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1,
-                                          attn_scales=[], temperal_downsample=[False, True, True]))
-    transformer = ("QwenImageTransformer2DModel", dict(
-        patch_size=2, in_channels=64, out_channels=16, num_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 4, 8)))
-    text = dict(tokens=12, dim=32)
-
-    @staticmethod
-    def vae_input(x):
-        return x.unsqueeze(2)
-
-    @staticmethod
-    def normalise(vae, z):
-        """QwenImageFamily.decode un-normalises with latents_std / latents_mean per channel: measure
-        them on the training latents, return the normalised [N, C, h, w] (frame 0)."""
-        mean, std = z.mean(dim=(0, 2, 3, 4)), z.std(dim=(0, 2, 3, 4))
-        vae.register_to_config(latents_mean=mean.tolist(), latents_std=std.tolist())
-        shape = (1, -1, 1, 1, 1)
-        return ((z - mean.view(shape)) / std.view(shape))[:, :, 0]
-
-    def embeddings(self, seed):
-        """{prompt: {"encoder_hidden_states": [T, D] zero-padded, "encoder_hidden_states_mask": [T]}};
-        the true length grows with the prompt's word count, as a tokenizer's would."""
-        g = torch.Generator().manual_seed(seed)
-        out = {}
-        for p, _ in data.all_prompts():
-            length = min(self.text["tokens"], 2 + len(p.split()))
-            embeds = torch.zeros(self.text["tokens"], self.text["dim"])
-            embeds[:length] = torch.randn(length, self.text["dim"], generator=g)
-            mask = torch.zeros(self.text["tokens"], dtype=torch.long)
-            mask[:length] = 1
-            out[p] = {"encoder_hidden_states": embeds, "encoder_hidden_states_mask": mask}
-        return out
-
-    @staticmethod
-    def conditions(embeds, prompts):
-        return {k: torch.stack([embeds[p][k] for p in prompts])
-                for k in ("encoder_hidden_states", "encoder_hidden_states_mask")}
-
-    @staticmethod
-    def save_embeddings(root, embeds):
-        return save_qwenimage_embeddings(root, [(p, t["encoder_hidden_states"], t["encoder_hidden_states_mask"])
-                                                for p, t in embeds.items()])
-
-
-FAMILIES = {"flux": FluxWorld(), "qwenimage": QwenImageWorld()}
+def digits_world(family_name):
+    """The family's digits build spec (its package's DigitsWorld, dancegrpo.models.registry)."""
+    return family_part(family_name, "digits").DigitsWorld()
 
 
 def pixels(images):
@@ -198,22 +101,17 @@ def train_transformer(world, family, latents, labels, embeds, steps, generator, 
 def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8, shift=3.0, eta=0.0, seed=5):
     """Held-out correct-class rate of n samples from fixed noise, prompts cycling over digits and
     phrasings: Euler ODE (eta 0) or the trainer's SDE (eta > 0)."""
-    from ..algo.sde import flux_step, model_timesteps, sigma_schedule
+    from ..algo.sampling import denoise, ode, sde
+    from ..algo.sde import model_timesteps, sigma_schedule
     from .classifiers import neighbours_classifier
     g = torch.Generator().manual_seed(seed)
     prompts = [data.prompts_for(i % 10)[(i // 10) % len(data.PHRASINGS)] for i in range(n)]
-    cond = FAMILIES[family.name].conditions(embeds, prompts)
+    cond = digits_world(family.name).conditions(embeds, prompts)
     sigmas = sigma_schedule(sampling_steps, shift)
     timesteps = model_timesteps(sigmas)
     z = family.initial_noise(n, g, torch.device("cpu"))
-    x0 = None
-    for i in range(sampling_steps):
-        v = family.predict(transformer, z, timesteps[i].expand(n), cond)
-        if eta > 0:
-            z, x0, _ = flux_step(v, z, eta, sigmas, i, grpo=True, generator=g)
-        else:
-            x0 = z - sigmas[i] * v
-            z = z + (sigmas[i + 1] - sigmas[i]) * v
+    step = sde("dance", eta, sigmas, g) if eta > 0 else ode(sigmas)
+    x0 = denoise(lambda x, t: family.predict(transformer, x, t, cond), z, sigmas, timesteps, step).x0
     predicted = neighbours_classifier().predict(data.features(family.decode(vae, x0)))
     return float((predicted == [data.digit_of_prompt(p) for p in prompts]).mean())
 
@@ -222,7 +120,7 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
     """Train the family's VAE and transformer and write the model folder. `max_images` keeps the first
     images of each split and as many evaluation samples (at most the usual 200): a quick build
     whose numbers say nothing, for checking the path end to end."""
-    world = FAMILIES[family_name]
+    world = digits_world(family_name)
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     (x, y), (test_x, _) = data.load_split()
@@ -260,7 +158,7 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dancegrpo.digits.build", description=__doc__.splitlines()[0])
-    p.add_argument("--family", choices=sorted(FAMILIES), default="flux")
+    p.add_argument("--family", choices=family_names(), default="flux")
     p.add_argument("--out", required=True, help="Folder to write transformer/, vae/, data/ and BUILD.json into.")
     p.add_argument("--vae_steps", type=int, default=300)
     p.add_argument("--transformer_steps", type=int, default=1500)

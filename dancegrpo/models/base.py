@@ -108,18 +108,14 @@ def check_model_files(folder, fix):
     return parsed
 
 
-# The family of each transformer class, to name the right trainer (dancegrpo.train_grpo_<family>) for
-# another family's folder or adapter.
-FAMILY_OF_CLASS = {"FluxTransformer2DModel": "flux", "QwenImageTransformer2DModel": "qwenimage"}
-
-
 def require_family(config, expected, folder):
     """The transformer folder holds `expected` (a diffusers class name), else one line naming the trainer
     for what it holds."""
     found = config.get("_class_name")
     if found == expected:
         return
-    family = FAMILY_OF_CLASS.get(found)
+    from .registry import family_of_class   # to name the right trainer for another family's folder
+    family = family_of_class(found)
     fix = (f"train it with `python -m dancegrpo.train_grpo_{family}`, or point --pretrained_model_name_or_path at a {expected} "
            "model folder" if family else f"point --pretrained_model_name_or_path at a {expected} model folder")
     raise ConfigError(f"{folder!r} holds a {found or 'model without _class_name in its config.json'}, not this "

@@ -6,7 +6,7 @@ import os
 import torch
 from PIL import Image
 
-from ..algo.sde import flux_step
+from ..algo.sampling import denoise, ode
 
 COLUMNS = 4
 MAX_ROWS = 10
@@ -36,11 +36,7 @@ def sample_latents(family, predict, sigmas, timesteps, cond, columns=COLUMNS, se
     generator = torch.Generator(device=device).manual_seed(seed)
     z = family.initial_noise(columns, generator, device).repeat(rows, 1, 1)
     cond = {k: v.repeat_interleave(columns, dim=0) for k, v in cond.items()}
-    x0 = z
-    for i in range(sigmas.numel() - 1):
-        v = predict(z, timesteps[i].expand(z.shape[0]).to(device), cond)
-        z, x0 = flux_step(v, z, 0.0, sigmas, i, grpo=False, sde_solver=False)   # Euler, and x0_hat
-    return x0.float()
+    return denoise(lambda x, t: predict(x, t, cond), z, sigmas, timesteps, ode(sigmas)).x0.float()
 
 
 def tile(images, columns=COLUMNS, max_side=None, background="black"):

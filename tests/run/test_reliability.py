@@ -541,8 +541,8 @@ def test_a_flag_error_is_short(cache_dir):
 
 
 def test_tiny_preset_splits_its_batch_over_ranks():
-    from dancegrpo.presets import PRESETS, spec_defaults_for_world
-    spec = PRESETS[("flux", "tiny")]
+    from dancegrpo.presets import preset_spec, spec_defaults_for_world
+    spec = preset_spec("flux", "tiny")
     one = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], 1)
     two = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], 2)
     assert two["train_batch_size"] * 2 == one["train_batch_size"] <= spec["num_prompts"]

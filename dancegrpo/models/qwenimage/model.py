@@ -13,7 +13,7 @@ import inspect
 
 import torch
 
-from .base import ModelFamily, decode_context, model_config, latents_to_pil, pack_latents, unpack_latents
+from ..base import ModelFamily, decode_context, model_config, latents_to_pil, pack_latents, unpack_latents
 
 
 class QwenImageFamily(ModelFamily):

@@ -1,7 +1,7 @@
 """Flux (FLUX.1-dev): FluxTransformer2DModel + AutoencoderKL, as upstream trains it."""
 import torch
 
-from .base import (ModelFamily, decode_context, model_config, latents_to_pil, pack_latents, prepare_latent_image_ids,
+from ..base import (ModelFamily, decode_context, model_config, latents_to_pil, pack_latents, prepare_latent_image_ids,
                    unpack_latents)
 
 
