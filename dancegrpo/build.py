@@ -43,7 +43,12 @@ class TrainContext:
     step: int = 0
     activation_meter: ActivationMeter = field(default_factory=ActivationMeter)
     resumed_update_state: object = None   # what the resumed checkpoint saved of the policy update
-    extra: dict = field(default_factory=dict)
+    resumed_from: str = None          # the checkpoint folder the run resumed from
+    dataset: object = None            # the prompt-embedding dataset (the sample grids' prompts)
+    num_params: int = 0               # the transformer's parameters, and those trained
+    num_trainable: int = 0
+    adapter: object = None            # what is trained (dancegrpo.adapters): weights format, reference, banner
+    reference: object = None          # the frozen reference policy of the KL term (--kl_beta > 0)
 
     # The engine owns the optimizer and its schedule; these are its, never copies.
     @property
@@ -94,32 +99,28 @@ def setup(args, family, plan=None):
                        reward_fn=reward_fn, loader=loader,
                        device=device, counter=PassCounter(raw), sigmas=sigmas, timesteps=model_timesteps(sigmas),
                        rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step,
-                       resumed_update_state=(state or {}).get("policy_update"))
-    ctx.extra["resumed_from"] = resume
-    ctx.extra["dataset"] = dataset
-    ctx.extra["num_params"] = num_params
-    ctx.extra["num_trainable"] = num_trainable
-    ctx.extra["adapter"] = adapter   # what is trained: its weights format, reference and banner text
+                       resumed_update_state=(state or {}).get("policy_update"), resumed_from=resume,
+                       dataset=dataset, num_params=num_params, num_trainable=num_trainable, adapter=adapter)
     if args.kl_beta > 0:
         def run(module, latents, timesteps, cond):
             with compute_autocast(device, args.mixed_precision):
                 return family.predict(module, latents, timesteps, cond)
-        ctx.extra["reference"] = adapter.reference(run, model, raw, device)
+        ctx.reference = adapter.reference(run, model, raw, device)
     return ctx
 
 
 def describe(ctx):
     args = ctx.args
-    n_params = ctx.extra["num_params"]
+    n_params = ctx.num_params
     samples = args.train_batch_size * (args.num_generations if args.use_group else 1)
     # Under --sde_window_size each sample trains its window, whatever the fraction.
     n_train = args.sde_window_size or num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
-    adapter = ctx.extra["adapter"].describe(args, ctx.extra["num_trainable"])
+    adapter = ctx.adapter.describe(args, ctx.num_trainable)
     return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s){ctx.engine.label()} on "
             f"{ctx.device}{adapter} | "
             f"{samples} samples/rank/step, S={args.sampling_steps}, {n_train} trained transitions/sample, "
             f"GA={args.gradient_accumulation_steps} | seed {ctx.seed}"
-            + (f" | resumed from {ctx.extra['resumed_from']} at step {ctx.step}" if ctx.extra.get("resumed_from") else "")
+            + (f" | resumed from {ctx.resumed_from} at step {ctx.step}" if ctx.resumed_from else "")
             + "\ntraining state: " + describe_bytes(per_rank_bytes(
-                ctx.engine.state_setup(ctx.extra["adapter"]), n_params, ctx.extra["num_trainable"], ctx.world_size,
+                ctx.engine.state_setup(ctx.adapter), n_params, ctx.num_trainable, ctx.world_size,
                 ctx.engine.weight_type)))

@@ -24,12 +24,12 @@ def save(ctx, step, update_state=None):
     finite = all(bool(torch.isfinite(p).all()) for p in ctx.transformer.parameters())
     require_finite("weights", torch.tensor(0.0 if finite else float("nan")), ctx.step, ctx.device,
                    " (checked before writing a checkpoint, which was not written)")
-    weights_format = ctx.extra["adapter"].weights_format
+    weights_format = ctx.adapter.weights_format
     ema_state = None
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
             ema_state = ctx.engine.full_state(weights_format.trainable_only)
-    out, limit, resumed = ctx.args.output_dir, ctx.args.checkpoints_total_limit, ctx.extra.get("resumed_from")
+    out, limit, resumed = ctx.args.output_dir, ctx.args.checkpoints_total_limit, ctx.resumed_from
     if ctx.rank == 0 and limit:   # retention before the write: the disk never needs room for the limit + 1
         _retain(out, lambda: ckpt.make_room(out, limit, ckpt.checkpoint_dir(out, step), protect=(resumed,)))
     path = ckpt.save_checkpoint(out, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
@@ -77,7 +77,7 @@ def _retain(output_dir, prune):
 
 def write_samples(ctx, step):
     """The sample grid of the weights after `step` (collective under FSDP; rank 0 decodes and writes)."""
-    dataset = ctx.extra["dataset"]
+    dataset = ctx.dataset
     rows = samples.grid_rows([item["caption"] for item in dataset.items])
     cond = {k: v.to(ctx.device) for k, v in collate_prompts([dataset[i] for i in rows]).items() if k != "caption"}
     ctx.transformer.eval()

@@ -35,7 +35,7 @@ from .utils import checkpoint as ckpt
 from .utils.activation_meter import cuda_peak_mb, cuda_peak_reset
 from .utils.communications import (all_reduce_max, all_reduce_mean, decide_on_rank0, gather_tensor, init_distributed,
                                    is_distributed, peer_lost, shutdown)
-from .utils.metrics import MetricsWriter
+from .utils.metrics import MetricsWriter, phase_times, reward_summary, update_counts
 
 
 @dataclass
@@ -141,19 +141,14 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         ctx.ema.update()
     t_end = time.time()
 
-    summed = _sum_over_ranks({**ctx.counter.as_dict(), "transformer_forwards_reused": stats.forwards_reused,
-                              "jagg_groups": stats.jagg_groups, "exact_groups": stats.exact_groups,
-                              "samples": len(prepared.captions)}, ctx.device)
+    summed = _sum_over_ranks(update_counts(ctx.counter, stats, len(prepared.captions)), ctx.device)
     record = {
         "step": ctx.step,
-        "reward_mean": prepared.all_rewards.mean().item(),
-        "reward_std": prepared.all_rewards.std().item() if prepared.all_rewards.numel() > 1 else 0.0,
+        **reward_summary(prepared.all_rewards),
         "loss": all_reduce_mean(stats.loss, ctx.device),
         "grad_norm": sum(grad_norms) / len(grad_norms),
         "lr": ctx.lr_scheduler.get_last_lr()[0],
-        "step_time_s": t_end - t_start,
-        "rollout_time_s": t_rollout - t_start,
-        "update_time_s": t_end - t_rollout,
+        **phase_times(t_start, t_rollout, t_end),
         **summed,
         "train_timesteps": prepared.selection.num_train,
         "optimizer_steps": len(grad_norms),

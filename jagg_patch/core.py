@@ -1,8 +1,9 @@
 """JAGG: Jacobian-Aggregated Group Gradient (arXiv 2607.17572; docs/jagg.md).
 
 Model-agnostic pieces: the interpolation weights, the backward of one group of
-W consecutive trained transitions, and the plan that routes groups to JAGG or
-to the exact per-step backward. Nothing here knows about dancegrpo.
+W consecutive trained transitions, and the checks of a setting (the groups and
+their routing are jagg_patch.plan's, the update that runs them jagg_patch.update's).
+Nothing here knows about dancegrpo.
 """
 from dataclasses import dataclass
 import os

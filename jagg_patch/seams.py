@@ -27,6 +27,9 @@ UPDATE_BATCH_FIELDS = ("predict", "step_loss", "steps", "timesteps", "subset", "
                        "on_policy", "predict_batched", "step", "parameters", "counted_apart", "gradient_probe")
 UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", "forwards_reused", "metrics")
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
+# Fields of dancegrpo.build.TrainContext (the trainer's state) that the tools read.
+TRAIN_CONTEXT_FIELDS = ("args", "family", "transformer", "raw_transformer", "device", "counter", "timesteps", "step",
+                        "world_size", "engine", "num_params")
 # Everything else of dancegrpo that jagg_patch, its launchers and its tools use (tests check that
 # nothing outside this list is imported): (module, name, its parameter names, or None for a class or
 # constant). The tools prepare their update as the loop does, through trainer.prepare_update.
@@ -51,9 +54,13 @@ DANCEGRPO_USES = (
     ("dancegrpo.utils.activation_meter", "ActivationMeter", None),
     ("dancegrpo.utils.metrics", "PassCounter", None),
     ("dancegrpo.utils.metrics", "first_tensor", ("output",)),
+    ("dancegrpo.utils.metrics", "phase_times", ("t_start", "t_rollout", "t_end")),
+    ("dancegrpo.utils.metrics", "reward_summary", ("rewards",)),
+    ("dancegrpo.utils.metrics", "update_counts", ("counter", "stats", "samples")),
     ("dancegrpo.utils.plots", "moving_average", ("values", "window")),
     ("dancegrpo.utils.plots", "plot_mean_spread", ("path", "panels", "title")),
     ("dancegrpo.utils.plots", "plot_reward_curves", ("path", "curves")),
+    ("dancegrpo.build", "TrainContext", None),
     ("dancegrpo.trainer", "PreparedUpdate", None),
     ("dancegrpo.trainer", "accumulate_policy_gradient", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",
                                                          "normaliser", "policy_update", "on_policy")),
@@ -115,6 +122,8 @@ def check_seams(module):
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
     _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)
+    from dancegrpo.build import TrainContext
+    _check_fields(TrainContext, TRAIN_CONTEXT_FIELDS)
     check_uses()
     return module
 

@@ -1,6 +1,7 @@
 """Helpers shared by the test modules (no test module imports another): the fast geometry, the
 float64 setup and independent references of the update, and one training step with its gradients
 read at the optimizer step."""
+import json
 import math
 import os
 
@@ -19,6 +20,29 @@ REPO_ROOT = os.path.dirname(TESTS_DIR)
 # of 4: S 8, fraction 0.6 -> 4 trained transitions per sample.
 FAST = ["--train_batch_size", 2, "--num_generations", 4, "--gradient_accumulation_steps", 8,
         "--sample_batch_size", 8, "--update_batch_size", 4]
+
+
+def relative_error(got, ref):
+    """|got - ref| / |ref| in float64, over one tensor, a list of tensors or a dict of tensors (ref's keys)."""
+    if isinstance(ref, dict):
+        got, ref = [got[k] for k in ref], list(ref.values())
+    elif torch.is_tensor(ref):
+        got, ref = [got], [ref]
+    assert len(got) == len(ref)
+    num = sum(float(((a.double() - b.double()) ** 2).sum()) for a, b in zip(got, ref)) ** 0.5
+    den = sum(float((b.double() ** 2).sum()) for b in ref) ** 0.5
+    assert den > 0, "the reference is zero: a relative error says nothing"
+    return num / den
+
+
+def read_jsonl(path):
+    """The records of a .jsonl file (metrics.jsonl, jagg_metrics.jsonl), in order."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def read_metrics(output_dir, name="metrics.jsonl"):
+    return read_jsonl(os.path.join(output_dir, name))
 
 
 def grads_of(model):

@@ -1,5 +1,4 @@
 """The tiny preset end to end: metrics, counts, checkpoints, resume, bad input."""
-import json
 import math
 import os
 
@@ -10,15 +9,10 @@ from safetensors.torch import load_file
 from dancegrpo import train_grpo_flux
 from dancegrpo.errors import ConfigError, MissingFileError
 
-from helpers import FAST, run_main
+from helpers import FAST, read_metrics, run_main
 
 KEYS = ["step", "reward_mean", "reward_std", "loss", "grad_norm", "lr", "step_time_s", "rollout_time_s",
         "update_time_s", "transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards"]
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def test_tiny_preset_end_to_end(make_args):

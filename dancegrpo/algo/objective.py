@@ -22,7 +22,7 @@ def kl_to_reference(ctx, v, latents, index, cond):
     """Flow-GRPO's KL term per sample: mean((mu_theta - mu_ref)^2) / (2 kl_scale^2), mu the
     kernel's mean under the policy (v, with grad) and under the reference (base weights, no grad)."""
     with torch.no_grad():
-        v_ref = ctx.extra["reference"](latents, ctx.timesteps[index].to(latents.device), cond)
+        v_ref = ctx.reference(latents, ctx.timesteps[index].to(latents.device), cond)
     mean, _, scale = kernel(ctx.args.sde_type, v, latents, ctx.args.eta, ctx.sigmas, index)
     mean_ref = kernel(ctx.args.sde_type, v_ref, latents, ctx.args.eta, ctx.sigmas, index)[0]
     per_element = (mean - mean_ref) ** 2 / (2 * scale ** 2)

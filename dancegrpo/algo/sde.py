@@ -2,7 +2,7 @@
 
 The rollout samples x_{k+1} ~ N(mean_k(v), std_k^2) and training re-scores the stored
 x_{k+1} under the current policy. Both go through `flux_step` with an int transition index, so
-with sigma and sigma' as Python-float scalars (`sde_kernels.sde_transition` splits a re-score of
+with sigma and sigma' as Python-float scalars (`kernels.sde_transition` splits a re-score of
 per-sample transitions by transition): the arithmetic is the same, and the ratio is exactly 1
 before any update, bf16 model outputs included (sigma * v then rounds to bf16 in both, as
 upstream's 0-d float32 sigmas do). Called directly with a LongTensor index, flux_step takes

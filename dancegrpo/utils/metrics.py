@@ -76,6 +76,24 @@ class PassCounter:
         self._handle.remove()
 
 
+def update_counts(counter, stats, samples):
+    """The passes of one step, the same names in every metrics record (the trainer's and the upstream
+    adapter's): the counter's transformer forwards / backwards, what the policy update (its UpdateStats)
+    reused and how it routed its groups, and the samples trained."""
+    return {**counter.as_dict(), "transformer_forwards_reused": stats.forwards_reused,
+            "jagg_groups": stats.jagg_groups, "exact_groups": stats.exact_groups, "samples": samples}
+
+
+def reward_summary(rewards):
+    """reward_mean / reward_std of every rank's rewards (gathered)."""
+    return {"reward_mean": rewards.mean().item(), "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0}
+
+
+def phase_times(t_start, t_rollout, t_end):
+    """A step's time and its rollout and update phases, in seconds."""
+    return {"step_time_s": t_end - t_start, "rollout_time_s": t_rollout - t_start, "update_time_s": t_end - t_rollout}
+
+
 class MetricsWriter:
     """metrics.jsonl (one JSON line per step, with the run id) and upstream's reward.txt (line k =
     step k's mean reward), on rank 0 only.

@@ -294,7 +294,7 @@ def run_benchmark(module, args):
     headline = headline_mode(args, modes, ctx.world_size)
     targets, paper_step_gain = _targets(args, family)
     result = dict(
-        family=family, num_params=ctx.extra["num_params"], device=str(ctx.device), torch=torch.__version__,
+        family=family, num_params=ctx.num_params, device=str(ctx.device), torch=torch.__version__,
         threads=torch.get_num_threads(), world_size=ctx.world_size, sampling_steps=args.sampling_steps,
         timestep_fraction=args.timestep_fraction, samples=num_samples, update_batch_size=args.update_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,

@@ -79,7 +79,7 @@ def run_fidelity(module, args):
     return dict(family=ctx.family.name, window=args.jagg_window, grouping=args.jagg_grouping,
                 rollouts=args.fid_rollouts, samples=samples,
                 sampling_steps=args.sampling_steps, timestep_fraction=args.timestep_fraction,
-                warmup_steps=args.diag_warmup_steps, num_params=ctx.extra["num_params"],
+                warmup_steps=args.diag_warmup_steps, num_params=ctx.num_params,
                 groups=aggregate(per_rollout), per_rollout=per_rollout)
 
 

@@ -17,6 +17,7 @@ import sys
 import torch
 
 from ..cli import check_trajectory, jagg_config, trainer_cli
+from ..similarity import gradient_similarity
 from ..update import make_policy_update
 
 
@@ -50,9 +51,9 @@ def measure(module, args):
             gradient("off", False)
             trainer.optimizer_step(ctx, f" (staleness step {n})")
         fresh, stale = gradient("off", n == 0), gradient("always", n == 0)
-        rows.append(dict(optimizer_steps=n, cos=float(fresh @ stale / (fresh.norm() * stale.norm())),
-                         relerr=float((stale - fresh).norm() / fresh.norm()), fresh_norm=float(fresh.norm()),
-                         stale_norm=float(stale.norm()),
+        similarity = gradient_similarity([fresh], [stale], over_ranks=False)
+        rows.append(dict(optimizer_steps=n, cos=similarity.cos, relerr=similarity.relerr,
+                         fresh_norm=similarity.exact_norm, stale_norm=float(stale.norm()),
                          weight_change=float((_weights(ctx) - start).norm() / start.norm())))
     ctx.counter.remove()
     return dict(family=ctx.family.name, learning_rate=args.learning_rate, samples=adv.numel(), rows=rows,

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
-from dancegrpo.utils.metrics import PassCounter, first_tensor
+from dancegrpo.utils.metrics import PassCounter, first_tensor, phase_times, reward_summary, update_counts
 
 from ..seams import UPSTREAM_ROLLOUT_VALUES
 from .families import FAMILIES, repeat_captions, repeat_rows
@@ -238,11 +238,9 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
         t_end = time.time()
     finally:
         counter.remove()
-    stats_dict = {**counter.as_dict(), "transformer_forwards_reused": stats.forwards_reused,
-                  "jagg_groups": stats.jagg_groups, "exact_groups": stats.exact_groups,
-                  "backward_calls": stats.backward_calls, "samples": num_samples, "optimizer_steps": optimizer_steps,
-                  "loss": total_loss, "grad_norm": grad_norm.item(), "reward_mean": gathered.mean().item(),
-                  "reward_std": gathered.std().item() if gathered.numel() > 1 else 0.0, "step_time_s": t_end - t_start,
-                  "rollout_time_s": t_update - t_start, "update_time_s": t_end - t_update, **stats.metrics}
+    # The trainer's record names (dancegrpo.utils.metrics), this rank's counts.
+    stats_dict = {**update_counts(counter, stats, num_samples), "backward_calls": stats.backward_calls,
+                  "optimizer_steps": optimizer_steps, "loss": total_loss, "grad_norm": grad_norm.item(),
+                  **reward_summary(gathered), **phase_times(t_start, t_update, t_end), **stats.metrics}
     return (total_loss, grad_norm.item()), stats_dict
 

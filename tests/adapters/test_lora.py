@@ -12,7 +12,7 @@ from dancegrpo import train_grpo_flux, train_grpo_qwenimage, trainer
 from dancegrpo.algo.grpo import choose_train_steps
 from dancegrpo.models.flux import FluxFamily
 
-from helpers import FAST, float64_setup, reference_step_loss, reference_step_velocity
+from helpers import FAST, float64_setup, reference_step_loss, reference_step_velocity, relative_error
 
 LORA = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 12]   # scale alpha / r = 3
 
@@ -54,12 +54,6 @@ def adapter_grads(ctx, factors):
                                          named[f"{m}.lora_B.default.weight"].grad)]
 
 
-def rel_err(got, ref):
-    num = sum(((a - b) ** 2).sum() for a, b in zip(got, ref)).sqrt()
-    den = sum((b ** 2).sum() for b in ref).sqrt()
-    assert den > 0
-    return (num / den).item()
-
 
 def test_only_adapter_parameters_are_trainable(make_args):
     args, ctx, *_ = setup_with_random_b(make_args)
@@ -83,7 +77,7 @@ def test_vanilla_lora_gradient_equals_float64_reference(make_args):
     ref = torch.autograd.grad(loss, [t for ab in factors.values() for t in ab])
     trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, normaliser,
                                        train_grpo_flux.policy_update)
-    assert rel_err(adapter_grads(ctx, factors), ref) < 1e-10
+    assert relative_error(adapter_grads(ctx, factors), ref) < 1e-10
 
 
 def test_jagg_lora_gradient_equals_float64_reference(make_args):
@@ -123,7 +117,7 @@ def test_jagg_lora_gradient_equals_float64_reference(make_args):
     finally:
         revert_jagg(train_grpo_flux)
     assert stats.jagg_groups == n
-    assert rel_err(adapter_grads(ctx, factors), ref) < 1e-10
+    assert relative_error(adapter_grads(ctx, factors), ref) < 1e-10
 
 
 def _adapter_and_base(model):

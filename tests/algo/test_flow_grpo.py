@@ -223,7 +223,7 @@ def test_kl_gradient_against_float64_reference(make_args):
     from helpers import float64_setup, reference_loss, reference_step_velocity
     beta = 0.3
     args, ctx, cond, rollout, adv = float64_setup(make_args, 3, "--kl_beta", str(beta))
-    ref_model = ctx.extra["reference"].model.double()
+    ref_model = ctx.reference.model.double()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for p in ctx.transformer.parameters():
@@ -267,8 +267,8 @@ def test_kl_at_the_reference_changes_nothing(make_args):
 
     def grads(*extra):
         args, ctx, cond, rollout, adv = float64_setup(make_args, 3, *extra)
-        if "reference" in ctx.extra:
-            ctx.extra["reference"].model.double()
+        if ctx.reference is not None:
+            ctx.reference.model.double()
         steps = grpo.choose_train_steps(adv.numel(), args.sampling_steps - 1, 4, torch.Generator().manual_seed(1))
         stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(adv.numel()), steps, 32,
                                                    grpo.policy_update)
@@ -283,7 +283,7 @@ def test_kl_with_lora_uses_the_disabled_adapter(make_args):
     args = make_args(*FAST, "--kl_beta", "0.1", "--use_lora", "--lora_rank", "4", "--lora_alpha", "8")
     import dancegrpo.train_grpo_flux as flux
     ctx = trainer.setup(args, flux.FAMILY(args))
-    reference = ctx.extra["reference"]
+    reference = ctx.reference
     assert reference.model is ctx.transformer and reference.lora_raw is ctx.raw_transformer   # no copy
     z = torch.randn(2, 16, 64, generator=torch.Generator().manual_seed(0))
     cond, _ = trainer.expand_groups(args, next(ctx.loader))

@@ -36,6 +36,8 @@ def run_one(spec, cache_dir, out_dir):
 
 
 def main(cache_dir, out_dir, specs_path):
+    # The checks share the suite's helpers (tests/helpers.py), one folder up.
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=5))
     with open(specs_path) as f:
         specs = sorted(json.load(f), key=lambda s: list(CHECKS).index(s["check"]))

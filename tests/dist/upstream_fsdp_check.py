@@ -70,10 +70,7 @@ def check(cache_dir, workdir, flags):
         dist.all_reduce(grad)
         reference[name.removeprefix("module.")] = grad.float() / world   # FSDP averages over ranks
 
-    def rel(got, ref):
-        num = sum(float((got[n] - ref[n]).norm() ** 2) for n in ref) ** 0.5
-        return num / sum(float(ref[n].norm() ** 2) for n in ref) ** 0.5
-
+    from helpers import relative_error as rel
     return {"world_size": world, "rel_exact": rel(exact, upstream), "rel_jagg": rel(jagg, reference),
             "same_names": set(jagg) == set(reference), "ref_norm": sum(float(g.norm()) for g in reference.values()),
             "stats": stats, "wan": wan_check(cache_dir, workdir, rel)}

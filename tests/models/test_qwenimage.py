@@ -1,6 +1,5 @@
 """Qwen-Image family and trainer on the tiny preset (CPU, float32)."""
 import copy
-import json
 import math
 import os
 import subprocess
@@ -15,7 +14,7 @@ from dancegrpo import train_grpo_qwenimage as tq
 from dancegrpo.args import parse_args
 from dancegrpo.models.base import unpack_latents
 from dancegrpo.models.qwenimage import QwenImageFamily
-from helpers import REPO_ROOT, run_main
+from helpers import REPO_ROOT, read_metrics, run_main
 
 ROOT = REPO_ROOT
 
@@ -190,9 +189,6 @@ def test_update_gradient_matches_float64_reference(preset_cache, tmp_path):
     assert checked > 10
 
 
-def _history(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 REQUIRED = ("reward_mean", "reward_std", "loss", "grad_norm", "step_time_s", "transformer_forwards_grad",
@@ -208,7 +204,7 @@ def test_tiny_preset_end_to_end_vanilla(preset_cache, tmp_path):
     for r in history:
         assert all(k in r for k in REQUIRED) and math.isfinite(r["loss"]) and r["samples"] == 8
         assert r["optimizer_steps"] == 1 and r["jagg_groups"] == 0
-    assert _history(tmp_path) == history
+    assert read_metrics(tmp_path) == history
     # Checkpoint cadence fixed: checkpoint-N holds N updates, written every step here and at the end.
     for step in (1, 2):
         folder = tmp_path / f"checkpoint-{step}-0"
@@ -221,7 +217,7 @@ def test_tiny_preset_end_to_end_jagg(preset_cache, tmp_path):
     pytest.importorskip("jagg_patch")
     assert run_main("jagg_patch", "dancegrpo.train_grpo_qwenimage", "--jagg_window", "2", "--preset", "tiny",
                     "--cache_dir", preset_cache, "--output_dir", tmp_path, *SMALL_RUN) == 0
-    history = _history(tmp_path)
+    history = read_metrics(tmp_path)
     assert len(history) == 2
     for r in history:
         assert all(k in r for k in REQUIRED) and math.isfinite(r["loss"])
@@ -258,7 +254,7 @@ def test_tiny_preset_learns_vs_shuffled_control(preset_cache, tmp_path):
     for proc in procs.values():
         _, err = proc.communicate(timeout=900)
         assert proc.returncode == 0, err[-3000:]
-    runs = {name: [r["reward_mean"] for r in _history(tmp_path / name)] for name in procs}
+    runs = {name: [r["reward_mean"] for r in read_metrics(tmp_path / name)] for name in procs}
     real = runs["real"]
     std0 = torch.tensor(real[:3]).std().item() + 0.01
     gains = {k: (sum(v[-5:]) / 5 - sum(v[:5]) / 5) for k, v in runs.items()}

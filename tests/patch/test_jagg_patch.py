@@ -17,12 +17,6 @@ from helpers import FAST, captured_step
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 
 
-@pytest.fixture(autouse=True)
-def always_reverted():
-    yield
-    revert_jagg()
-
-
 def assert_grads_close(got, ref, rtol=1e-4):
     assert len(got) == len(ref) >= 1
     flat = lambda gs: torch.cat([g.reshape(-1) for step in gs for g in step])  # noqa: E731

@@ -23,12 +23,6 @@ T = [0.95, 0.9, 0.8, 0.7]
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 
 
-@pytest.fixture(autouse=True)
-def always_reverted():
-    yield
-    revert_jagg()
-
-
 def rollout_outputs(problem, model):
     """Every member's output from ONE batched forward of `model` (as a rollout would compute them),
     not through problem.predict."""

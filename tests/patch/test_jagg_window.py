@@ -8,22 +8,12 @@ import dancegrpo.algo.grpo as grpo
 import dancegrpo.train_grpo_flux as flux
 from authors_reference import authors_window_backward
 from dancegrpo import trainer
-from jagg_patch import apply_jagg, make_policy_update, make_window_selection, revert_jagg
-from helpers import captured_step, float64_setup, grads_of, reference_loss
+from jagg_patch import apply_jagg, make_policy_update, make_window_selection
+from helpers import captured_step, float64_setup, grads_of, reference_loss, relative_error
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
 W = 3   # tiny preset: S 8 -> 7 transitions -> windows (0, 1, 2), (3, 4, 5), (6,)
 
-
-@pytest.fixture(autouse=True)
-def always_reverted():
-    yield
-    revert_jagg()
-
-
-def rel(got, ref):
-    num = sum(float(((a - b) ** 2).sum()) for a, b in zip(got, ref)) ** 0.5
-    return num / sum(float((b ** 2).sum()) for b in ref) ** 0.5
 
 
 def window_selection(n, seed=3, fraction=0.7):
@@ -46,7 +36,7 @@ def test_window_exact_mode_equals_float64_per_step_reference(make_args, update_b
     update = make_policy_update(window=W, jagg_frac=1.0, mode="exact", grouping="window")
     stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), sel.steps, normaliser,
                                                update)
-    assert rel(grads_of(ctx.transformer), ref) < 1e-10
+    assert relative_error(grads_of(ctx.transformer), ref) < 1e-10
     assert stats.exact_groups == 2 * n and stats.jagg_groups == 0
     # one autograd call per member of each window that some sample of a micro-batch trains
     sizes = {0: 3, 1: 3, 2: 1}
@@ -78,7 +68,7 @@ def test_window_index_split_equals_the_authors_schedule(make_args):
                 authors_window_backward(lambda j: batch.predict(members[j]),
                                         lambda j, v: batch.step_loss(members[j], v), len(members))
     ref = grads_of(ctx.transformer)
-    assert rel(got, ref) < 1e-10
+    assert relative_error(got, ref) < 1e-10
     with_window_0 = int((sel.steps[:, 0] == 0).sum())
     with_window_1 = int((sel.steps == 3).any(dim=1).sum())
     assert stats.jagg_groups == with_window_0 + with_window_1
@@ -86,7 +76,7 @@ def test_window_index_split_equals_the_authors_schedule(make_args):
     ctx.transformer.zero_grad(set_to_none=True)
     trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), sel.steps, normaliser,
                                        make_policy_update(window=W, jagg_frac=1.0, mode="exact", grouping="window"))
-    assert rel(got, grads_of(ctx.transformer)) > 1e-6
+    assert relative_error(got, grads_of(ctx.transformer)) > 1e-6
 
 
 def test_window_counts_end_to_end(make_args, monkeypatch):

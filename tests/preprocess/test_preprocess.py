@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from dancegrpo import presets
 from dancegrpo.args import parse_args
 from dancegrpo.utils.data import PromptEmbeddingDataset
 from dancegrpo.models.flux import FluxFamily

@@ -19,15 +19,12 @@ from dancegrpo import train_grpo_flux, train_grpo_qwenimage
 from dancegrpo.errors import ConfigError, DiskFullError, MissingFileError, NonFiniteError
 from dancegrpo.run.rundir import RunLock
 
-from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, run_main, threads_at_exit
+from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, read_metrics, run_main, threads_at_exit
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 REPO = REPO_ROOT
 
 
-def metrics(folder):
-    with open(os.path.join(folder, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def weights(folder):
@@ -67,7 +64,7 @@ def test_a_locked_output_folder_is_refused_naming_the_holder(make_args, tmp_path
         holder.wait()
     # The holder died without releasing: its lock is stale and is taken over with a notice.
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out))
-    assert [r["step"] for r in metrics(out)] == [1]
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 def test_stale_lock_notice(make_args, tmp_path, capsys):
@@ -82,13 +79,13 @@ def test_stale_lock_notice(make_args, tmp_path, capsys):
 def test_a_used_folder_is_refused_unless_resumed_or_overwritten(make_args, tmp_path):
     out = tmp_path / "out"
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out))
-    before = metrics(out)
+    before = read_metrics(out)
     with pytest.raises(ConfigError, match="already holds a run.*--resume_from_checkpoint latest.*"
                                           "--overwrite_output_dir.*another --output_dir"):
         train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out))
-    assert metrics(out) == before  # nothing appended, nothing overwritten
+    assert read_metrics(out) == before  # nothing appended, nothing overwritten
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out, "--overwrite_output_dir"))
-    assert [r["step"] for r in metrics(out)] == [1]
+    assert [r["step"] for r in read_metrics(out)] == [1]
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1-0"]
 
 
@@ -101,7 +98,7 @@ def test_resume_says_that_it_ignores_overwrite(make_args, tmp_path, capsys):
                                    "--resume_from_checkpoint", "latest"))
     printed = capsys.readouterr().out
     assert "--overwrite_output_dir is ignored: the run resumes" in printed and str(out) in printed
-    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache_dir, monkeypatch, capsys):
@@ -127,7 +124,7 @@ def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache
                           "--checkpoint", f"a={out / 'checkpoint-1-0'}", "--checkpoint", f"b={out / 'checkpoint-2-0'}"])
     assert len(rows) == 2 and len(refusals) == 2
     assert all(f"dancegrpo.evaluate (pid {os.getpid()}" in r and "Wait for it to finish" in r for r in refusals)
-    assert [r["step"] for r in metrics(out)] == [1, 2]   # the run's files are untouched
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]   # the run's files are untouched
     # Pruning waits for a reader too, and happens at the first save that finds the folder free.
     capsys.readouterr()
     with ReaderLock(str(out), "a test reader"):
@@ -139,7 +136,7 @@ def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache
                                    "latest", "--checkpoints_total_limit", 1, "--allow_config_change"))
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-4-0"]
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out, "--overwrite_output_dir"))
-    assert [r["step"] for r in metrics(out)] == [1]
+    assert [r["step"] for r in read_metrics(out)] == [1]
 
 
 def test_the_lock_is_released_when_a_run_fails(make_args, tmp_path, monkeypatch):
@@ -163,7 +160,7 @@ def test_resume_is_bit_exact(make_args, tmp_path, module):
     module.main(args("--max_train_steps", 3, "--output_dir", tmp_path / "b", "--resume_from_checkpoint", "latest"))
     wa, wb = (weights(tmp_path / r / "checkpoint-3-0") for r in "ab")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    ra, rb = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    ra, rb = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["reward_mean"] for r in ra] == [r["reward_mean"] for r in rb]
 
 
@@ -234,7 +231,7 @@ def test_nonfinite_loss_or_grad_norm_stops_before_the_optimizer_step(make_args, 
     args = make_args(*FAST, "--max_train_steps", 3, "--checkpointing_steps", 1)
     with pytest.raises(NonFiniteError, match=f"{quantity}.* is not finite at step 2 .*What to try"):
         train_grpo_flux.main(args)
-    assert [r["step"] for r in metrics(args.output_dir)] == [1]
+    assert [r["step"] for r in read_metrics(args.output_dir)] == [1]
     assert sorted(p for p in os.listdir(args.output_dir) if not p.startswith(".")) == \
         ["checkpoint-1-0", "metrics.jsonl", "reward.txt"]
 
@@ -266,7 +263,7 @@ def test_resume_cuts_metrics_back_and_repairs_a_torn_line(make_args, tmp_path):
         f.write("-4.1")
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--output_dir", out,
                                    "--resume_from_checkpoint", "latest"))
-    records = metrics(out)
+    records = read_metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert len({r["run_id"] for r in records[:2]}) == 1 and records[2]["run_id"] != records[0]["run_id"]
     assert records[2]["run_id"] == records[3]["run_id"]
@@ -308,11 +305,11 @@ def test_resume_with_changed_flags_lists_them(make_args, tmp_path, capsys):
                                           r"8 in the checkpoint, 6 now.*--allow_config_change"):
         train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--learning_rate", 1e-3,
                                        "--sampling_steps", 6, "--resume_from_checkpoint", "latest"))
-    assert [r["step"] for r in metrics(out)] == [1]
+    assert [r["step"] for r in read_metrics(out)] == [1]
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--learning_rate", 1e-3,
                                    "--resume_from_checkpoint", "latest", "--allow_config_change"))
     assert "warning: --allow_config_change" in capsys.readouterr().out
-    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
 def test_latest_skips_weights_only_and_corrupt_checkpoints(make_args, tmp_path, capsys):
@@ -331,7 +328,7 @@ def test_latest_skips_weights_only_and_corrupt_checkpoints(make_args, tmp_path, 
     printed = capsys.readouterr().out
     assert "skipping" in printed and "checkpoint-3-0" in printed and "weights only" in printed
     assert "checkpoint-2-0" in printed and "truncated" in printed
-    assert [r["step"] for r in metrics(out)] == [1, 2]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
     assert ckpt.checkpoint_problem(str(out / "checkpoint-2-0")) is None  # rewritten whole by the resumed run
 
 
@@ -344,7 +341,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(cache_dir, tmp_path):
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    last = metrics(out)[-1]["step"]
+    last = read_metrics(out)[-1]["step"]
     assert f"SIGTERM after step {last}: saved" in err and "Traceback" not in err
     assert ckpt.checkpoint_problem(str(out / f"checkpoint-{last}-0")) is None
 
@@ -367,7 +364,7 @@ def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
     while time.time() < deadline and any(_alive(p) for p in workers):
         time.sleep(0.5)
     assert not any(_alive(p) for p in workers), "workers outlived their launcher"
-    assert metrics(out)[0]["world_size"] == 2 and metrics(out)[0]["samples"] == 128
+    assert read_metrics(out)[0]["world_size"] == 2 and read_metrics(out)[0]["samples"] == 128
 
 
 def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_dir, tmp_path):
@@ -382,7 +379,7 @@ def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_di
     launcher.send_signal(signal.SIGTERM)   # bash exec'd the launcher: this is its pid
     _, err = launcher.communicate(timeout=180)
     assert launcher.returncode == 128 + signal.SIGTERM, err[-3000:]
-    last = metrics(out)[-1]["step"]
+    last = read_metrics(out)[-1]["step"]
     assert "launcher: SIGTERM: the workers were stopped" in err and "Traceback" not in err, err[-3000:]
     assert f"SIGTERM after step {last}: saved" in err
     assert ckpt.checkpoint_problem(str(out / f"checkpoint-{last}-0")) is None
@@ -623,7 +620,7 @@ def test_a_full_disk_under_the_metrics_or_a_grid_keeps_the_step_in_a_checkpoint(
     train_grpo_flux.main(make_args(*argv, "--output_dir", out, "--resume_from_checkpoint", "latest"))
     a, b = weights(tmp_path / "unbroken" / "checkpoint-3-0"), weights(out / "checkpoint-3-0")
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert [r["step"] for r in metrics(out)] == ([1, 3] if what == "metrics line" else [1, 2, 3])
+    assert [r["step"] for r in read_metrics(out)] == ([1, 3] if what == "metrics line" else [1, 2, 3])
 
 
 @pytest.fixture

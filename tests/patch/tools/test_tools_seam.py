@@ -86,3 +86,25 @@ def test_check_seams_names_a_changed_tool_seam(monkeypatch):
     monkeypatch.delattr(trainer, "prepare_update")
     with pytest.raises(SeamError, match="dancegrpo.trainer has no 'prepare_update'"):
         check_seams("dancegrpo.train_grpo_flux")
+
+
+def test_the_tools_read_only_the_listed_fields_of_the_trainers_context():
+    """Every `ctx.<name>` in jagg_patch (outside the upstream adapter, whose ctx is not dancegrpo's) is a
+    field listed in TRAIN_CONTEXT_FIELDS or a property of TrainContext."""
+    import ast
+    import glob
+    import os
+    import jagg_patch
+    from dancegrpo.build import TrainContext
+    from jagg_patch.seams import TRAIN_CONTEXT_FIELDS
+    allowed = set(TRAIN_CONTEXT_FIELDS) | {n for n, v in vars(TrainContext).items() if isinstance(v, property)}
+    read = set()
+    for path in glob.glob(os.path.join(os.path.dirname(jagg_patch.__file__), "**", "*.py"), recursive=True):
+        if os.sep + "upstream" + os.sep in path:
+            continue
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        read |= {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "ctx"}
+    assert "num_params" in read   # the scan sees the tools
+    assert read <= allowed, read - allowed
