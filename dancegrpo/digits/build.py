@@ -135,7 +135,7 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
     record["vae_time_s"] = round(time.time() - t0, 1)
     record["vae_heldout_mse"] = round(reconstruction_mse(world, vae, pixels(test_x)), 5)
     log(f"vae: {vae_steps} steps in {record['vae_time_s']} s, held-out reconstruction MSE {record['vae_heldout_mse']}")
-    embeds = world.embeddings(seed + 1)
+    embeds = world.embeddings(seed + 1, [p for p, _ in data.all_prompts()])
     family = world.family(SimpleNamespace(h=SIZE, w=SIZE, guidance=3.5))
     t0 = time.time()
     transformer = train_transformer(world, family, latents, y, embeds, transformer_steps, generator)

@@ -7,7 +7,8 @@ A family package (`dancegrpo/models/<family>/`, as torchtitan's models/<name>/) 
                    prompt-embedding file layout the trainer reads
     presets.py     PRESETS: {preset name: spec} (tiny, small: built at first use; digits: shipped)
     digits.py      DigitsWorld: the digits build spec (VAE, transformer, text, conditions)
-    preprocess.py  main(argv): the prompt-embedding writer of real text encoders
+    preprocess.py  ENCODER: the model part of the prompt-embedding writer (the real text encoders;
+                   dancegrpo.preprocess.common runs it)
 The trainer, presets, evaluate, the digits build and preprocessing look a family up here and
 import only the part they need, when they need it. Adding a family is one package and one line
 in FAMILY_PACKAGES (or `register_family` at run time, for a family outside this repository).

@@ -3,7 +3,8 @@ any registered family (dancegrpo.models.registry); `python -m dancegrpo.preproce
 same writer for the families of this repository."""
 import sys
 
-from ..models.registry import family_names, family_part
+from ..models.registry import family_names
+from .common import main_for
 
 
 def main(argv=None):
@@ -15,7 +16,7 @@ def main(argv=None):
     if argv[1] not in family_names():
         print(f"error: unknown --family {argv[1]!r}; known: {family_names()}", file=sys.stderr)
         raise SystemExit(2)
-    return family_part(argv[1], "preprocess").main(argv[2:])
+    return main_for(argv[1], argv[2:])
 
 
 if __name__ == "__main__":

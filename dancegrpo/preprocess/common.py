@@ -95,12 +95,22 @@ def resolve_dtype(name, device):
     return getattr(torch, name)
 
 
+def main_for(family, argv=None):
+    """The prompt-embedding writer of a registered family: its encoder (the family package's
+    preprocess part), this module's command line and resume-safe run."""
+    from ..models.registry import family_part
+    spec = family_part(family, "preprocess").ENCODER
+    parser = build_parser(family, spec.description, spec.default_max_sequence_length)
+    return run(parser.parse_args(argv), spec)
+
+
 def run(args, spec):
     """Encode every pending prompt of this rank and write the index.
 
-    spec: object with
+    spec: a family's encoder (dancegrpo/models/<family>/preprocess.py's ENCODER), with
       subfolders: {kind: (json_field, subfolder)}
-      check(args): validate the model folder (call `fail` on a problem)
+      components, hint: the model folder's sub-folders it reads, and where to get them
+      check_args(args) -> None, or what is wrong with the flags for this model
       load(args, device, dtype) -> encoder state
       encode(state, prompts, args) -> list (one per prompt) of {kind: tensor}
       index_fields({kind: path}) -> extra JSON fields of one finished item (e.g. original_length)
@@ -108,7 +118,10 @@ def run(args, spec):
     """
     from tqdm.auto import tqdm
     prompts = read_prompts(args.prompt_dir)
-    spec.check(args)
+    require_components(args.model_path, spec.components, spec.hint)
+    problem = spec.check_args(args)
+    if problem:
+        fail(problem)
     if args.batch_size < 1:
         fail("--batch_size must be >= 1")
     rank, world_size, _, device = init_distributed()

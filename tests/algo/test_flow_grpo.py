@@ -11,7 +11,7 @@ from dancegrpo.algo.sde import sigma_schedule
 from dancegrpo.algo.kernels import SDE_TYPES, ode_transition, sde_transition
 from dancegrpo.algo.rollout import predict_velocity
 
-from helpers import FAST, run_main
+from helpers import FAST, read_metrics, run_main
 
 SIGMAS = sigma_schedule(6, 3.0).double()
 
@@ -308,13 +308,12 @@ def test_kl_with_lora_uses_the_disabled_adapter(make_args):
 def test_tiny_end_to_end_every_kernel(cache_dir, tmp_path, capsys, sde_type, jagg):
     """The command line of each kernel, vanilla and through the JAGG launcher (in this process:
     helpers.run_main)."""
-    import json
     assert run_main(*(["jagg_patch"] if jagg else []), "dancegrpo.train_grpo_flux", "--preset", "tiny",
              "--cache_dir", cache_dir, "--output_dir", tmp_path, "--max_train_steps", "2", *FAST,
              "--sampling_steps", "6", "--sde_window_size", "3", "--sde_window_range", "0", "3", "--sde_type", sde_type,
              "--eta", "0.8", "--advantage", "flow_grpo", "--kl_beta", "0.01") == 0
     stdout = capsys.readouterr().out
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     assert len(records) == 2 and all(math.isfinite(r["loss"]) for r in records)
     assert all(r["transformer_backwards"] == (2 if jagg else 3) * r["samples"] for r in records)
     if jagg:

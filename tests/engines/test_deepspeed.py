@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from safetensors.torch import load_file
-from helpers import REPO_ROOT, exit_threads_env, run_main, run_mains, threads_at_exit
+from helpers import REPO_ROOT, exit_threads_env, read_metrics, run_main, run_mains, threads_at_exit
 
 ROOT = REPO_ROOT
 CONFIGS = os.path.join(ROOT, "configs", "deepspeed")
@@ -122,8 +122,7 @@ def test_jagg_auto_under_zero2_measures_routes_and_trains_as_without_deepspeed(r
     _, folder = runs
     records = {}
     for name in ("auto_plain", "auto_z2"):
-        with open(folder / name / "metrics.jsonl") as f:
-            records[name] = [json.loads(line) for line in f]
+        records[name] = read_metrics(folder / name)
     for plain, z2 in zip(records["auto_plain"], records["auto_z2"]):
         measured = sorted(k for k in plain if "_cos/" in k or "_relerr/" in k)
         assert measured and measured == sorted(k for k in z2 if "_cos/" in k or "_relerr/" in k)
@@ -142,8 +141,7 @@ def test_jagg_auto_resumes_its_routing_under_zero2(runs):
     _, folder = runs
     routed = {}
     for name in ("once_z2", "once_z2_part"):
-        with open(folder / name / "metrics.jsonl") as f:
-            routed[name] = [json.loads(line)["jagg_routed"] for line in f]
+        routed[name] = [r["jagg_routed"] for r in read_metrics(folder / name)]
     assert routed["once_z2"] == routed["once_z2_part"] and routed["once_z2"][1] > 0
     part, full = folder / "once_z2_part" / "checkpoint-2-0", folder / "once_z2" / "checkpoint-2-0"
     assert max_diff(weights(part), weights(full)) == 0.0

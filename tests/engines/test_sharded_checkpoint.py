@@ -2,7 +2,6 @@
 the transformer folder stays a full drop-in model, and a killed 2-rank run resumes to the weights
 of the unbroken one. The runs go through JAGG with --jagg_frac auto measured at step 1 only, so a
 resume must also restore the routing that step chose (kept in the checkpoint)."""
-import json
 import os
 import signal
 import subprocess
@@ -18,7 +17,7 @@ from dancegrpo.utils import checkpoint as ckpt
 from dancegrpo import train_grpo_flux
 from dancegrpo.trainer import setup
 
-from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, run_main, threads_at_exit
+from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, read_metrics, run_main, threads_at_exit
 
 REPO = REPO_ROOT
 WEIGHTS = "diffusion_pytorch_model.safetensors"
@@ -65,7 +64,7 @@ def test_two_ranks_save_shards_and_a_killed_run_resumes_exactly(cache_dir, tmp_p
 
     wa, wb = (load_file(str(r / "checkpoint-3-0" / WEIGHTS)) for r in (a, b))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    routed = [[json.loads(line)["jagg_routed"] for line in open(r / "metrics.jsonl")] for r in (a, b)]
+    routed = [[record["jagg_routed"] for record in read_metrics(r)] for r in (a, b)]
     assert routed[0] == routed[1] and routed[0][-1] > 0   # step 1's routing, restored on resume
 
     # One optimizer file per rank, each holding about half of the AdamW moments (DCP's metadata

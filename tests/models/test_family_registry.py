@@ -42,11 +42,31 @@ FILES = {
             family = ToyFamily
     """,
     "preprocess.py": """
-        CALLS = []
+        import torch
+        from dancegrpo.models.flux.preprocess import SUBFOLDERS
 
-        def main(argv=None):
-            CALLS.append(list(argv))
-            return "toy preprocess"
+        class ToyEncoder:   # fixed tensors in Flux's layout, 6 text tokens: no text encoder to load
+            description, subfolders, components, hint = "toy", SUBFOLDERS, (), ""
+            default_max_sequence_length = 6
+
+            @staticmethod
+            def check_args(args):
+                return None
+
+            @staticmethod
+            def load(args, device, dtype):
+                return None
+
+            @staticmethod
+            def encode(state, prompts, args):
+                return [{"prompt_embeds": torch.full((6, 32), float(len(p))), "pooled_prompt_embeds": torch.zeros(32),
+                         "text_ids": torch.zeros(3)} for p in prompts]
+
+            @staticmethod
+            def index_fields(paths):
+                return {}
+
+        ENCODER = ToyEncoder
     """,
     "train.py": """
         from dancegrpo.args import build_parser as _build_parser
@@ -108,9 +128,15 @@ def test_a_family_added_as_one_package_runs_everywhere(toy_family, make_args, ca
     assert record["family"] == "toy" and toy.predict_calls > before
     assert (tmp_path / "digits" / "transformer" / "config.json").is_file()
 
-    # Preprocessing: its writer, through the generic entry point.
-    assert preprocess_main(["--family", "toy", "--model_path", "m"]) == "toy preprocess"
-    assert sys.modules[f"{PACKAGE}.preprocess"].CALLS == [["--model_path", "m"]]
+    # Preprocessing: its encoder, through the generic entry point; the trainer's dataset reads the files.
+    from dancegrpo.utils.data import PromptEmbeddingDataset
+    (tmp_path / "prompts.txt").write_text("a cat\nthe digit seven\n")
+    out = tmp_path / "embeddings"
+    entries = preprocess_main(["--family", "toy", "--model_path", str(tmp_path), "--prompt_dir",
+                               str(tmp_path / "prompts.txt"), "--output_dir", str(out)])
+    assert [e["caption"] for e in entries] == ["a cat", "the digit seven"]
+    item = PromptEmbeddingDataset(str(out / "videos2caption.json"), toy.embedding_fields)[1]
+    assert item["encoder_hidden_states"].shape == (6, 32) and float(item["encoder_hidden_states"][0, 0]) == 15.0
 
 
 def test_an_unknown_family_is_refused_naming_the_known_ones():

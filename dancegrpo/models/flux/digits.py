@@ -1,7 +1,6 @@
 """Flux's digits-world build spec (`python -m dancegrpo.digits.build --family flux`)."""
 import torch
 
-from ...digits import data
 from .embeddings import save_embeddings
 from .model import FluxFamily
 
@@ -32,12 +31,12 @@ class DigitsWorld:
         vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1 / z.std()))
         return (z - vae.config.shift_factor) * vae.config.scaling_factor
 
-    def embeddings(self, seed):
+    def embeddings(self, seed, prompts):
         """{prompt: {"encoder_hidden_states": [T, D], "pooled_prompt_embeds": [P]}}, fixed random per prompt."""
         g = torch.Generator().manual_seed(seed)
         return {p: {"encoder_hidden_states": torch.randn(self.text["tokens"], self.text["dim"], generator=g),
                     "pooled_prompt_embeds": torch.randn(self.text["pooled_dim"], generator=g)}
-                for p, _ in data.all_prompts()}
+                for p in prompts}
 
     @staticmethod
     def conditions(embeds, prompts):

@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from ..preset_defaults import seeded_randn
+
 
 def save_embeddings(root, entries):
     """[(caption, prompt_embed [T, D], pooled [P])] -> the files under root; returns the JSON items."""
@@ -22,6 +24,5 @@ def save_embeddings(root, entries):
 
 def write_embeddings(root, prompts, text):
     """Fixed random T5-like / CLIP-pooled embeddings, one file per prompt (a preset's prompts)."""
-    from ...presets import seeded_randn
     return save_embeddings(root, [(p, seeded_randn((text["tokens"], text["dim"]), 1000 + i),
                                    seeded_randn((text["pooled_dim"],), 2000 + i)) for i, p in enumerate(prompts)])

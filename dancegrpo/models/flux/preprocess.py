@@ -9,8 +9,7 @@ text_ids is saved as one [3] row, as upstream's preprocessing does: every row of
 position ids is the same, and upstream's trainer repeats the row to [T, 3]. So these folders
 train with upstream's trainer as well as with this one (which reads [3] and [T, 3] files).
 """
-from ...preprocess import common
-
+DESCRIPTION = __doc__.splitlines()[0]
 SUBFOLDERS = {
     "prompt_embeds": ("prompt_embed_path", "prompt_embed"),
     "pooled_prompt_embeds": ("pooled_prompt_embeds_path", "pooled_prompt_embeds"),
@@ -22,11 +21,15 @@ HINT = ("download FLUX.1-dev there (e.g. `huggingface-cli download black-forest-
 
 
 class FluxEncoder:
+    """The writer's model part (dancegrpo.preprocess.common.run drives it)."""
+    description = DESCRIPTION
     subfolders = SUBFOLDERS
+    components, hint = COMPONENTS, HINT
+    default_max_sequence_length = 512
 
     @staticmethod
-    def check(args):
-        common.require_components(args.model_path, COMPONENTS, HINT)
+    def check_args(args):
+        return None
 
     @staticmethod
     def load(args, device, dtype):
@@ -57,10 +60,4 @@ class FluxEncoder:
         return {}
 
 
-def main(argv=None):
-    parser = common.build_parser("flux", __doc__.splitlines()[0], default_max_sequence_length=512)
-    return common.run(parser.parse_args(argv), FluxEncoder)
-
-
-if __name__ == "__main__":
-    main()
+ENCODER = FluxEncoder

@@ -1,7 +1,7 @@
 """Flux's embedded presets (dancegrpo.presets builds and loads them)."""
 import os
 
-from ...presets import DIGITS_DEFAULTS, DIGITS_DIR, SMALL_DEFAULTS, TINY_DEFAULTS
+from ..preset_defaults import DIGITS_DEFAULTS, DIGITS_DIR, SMALL_DEFAULTS, TINY_DEFAULTS
 from .embeddings import write_embeddings
 
 VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,

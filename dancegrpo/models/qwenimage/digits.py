@@ -1,7 +1,6 @@
 """Qwen-Image's digits-world build spec (`python -m dancegrpo.digits.build --family qwenimage`)."""
 import torch
 
-from ...digits import data
 from .embeddings import save_embeddings
 from .model import QwenImageFamily
 
@@ -31,12 +30,12 @@ class DigitsWorld:
         shape = (1, -1, 1, 1, 1)
         return ((z - mean.view(shape)) / std.view(shape))[:, :, 0]
 
-    def embeddings(self, seed):
+    def embeddings(self, seed, prompts):
         """{prompt: {"encoder_hidden_states": [T, D] zero-padded, "encoder_hidden_states_mask": [T]}};
         the true length grows with the prompt's word count, as a tokenizer's would."""
         g = torch.Generator().manual_seed(seed)
         out = {}
-        for p, _ in data.all_prompts():
+        for p in prompts:
             length = min(self.text["tokens"], 2 + len(p.split()))
             embeds = torch.zeros(self.text["tokens"], self.text["dim"])
             embeds[:length] = torch.randn(length, self.text["dim"], generator=g)

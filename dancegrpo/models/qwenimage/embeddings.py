@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from ..preset_defaults import seeded_randn
+
 
 def save_embeddings(root, entries):
     """[(caption, zero-padded embeds [T, D], mask [T])] -> the files under root; returns the JSON items."""
@@ -22,7 +24,6 @@ def save_embeddings(root, entries):
 def write_embeddings(root, prompts, text):
     """Fixed random Qwen-like embeddings zero-padded to text["tokens"]; true lengths vary between
     text["min_tokens"] and text["tokens"] so padding is exercised."""
-    from ...presets import seeded_randn
     span = text["tokens"] - text["min_tokens"] + 1
     entries = []
     for i, prompt in enumerate(prompts):

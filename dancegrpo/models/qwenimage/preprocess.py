@@ -8,8 +8,7 @@ prompt_attention_mask [T] (1 = real token), and "original_length" in the JSON.
 """
 import torch
 
-from ...preprocess import common
-
+DESCRIPTION = __doc__.splitlines()[0]
 SUBFOLDERS = {
     "prompt_embeds": ("prompt_embed_path", "prompt_embed"),
     "prompt_attention_mask": ("prompt_attention_mask", "prompt_attention_mask"),
@@ -20,13 +19,17 @@ HINT = ("download Qwen-Image there (e.g. `huggingface-cli download Qwen/Qwen-Ima
 
 
 class QwenImageEncoder:
+    """The writer's model part (dancegrpo.preprocess.common.run drives it)."""
+    description = DESCRIPTION
     subfolders = SUBFOLDERS
+    components, hint = COMPONENTS, HINT
+    default_max_sequence_length = 1024
 
     @staticmethod
-    def check(args):
-        common.require_components(args.model_path, COMPONENTS, HINT)
+    def check_args(args):
         if not 1 <= args.max_sequence_length <= 1024:
-            common.fail("--max_sequence_length must be in [1, 1024] (QwenImagePipeline's limit)")
+            return "--max_sequence_length must be in [1, 1024] (QwenImagePipeline's limit)"
+        return None
 
     @staticmethod
     def load(args, device, dtype):
@@ -64,10 +67,4 @@ class QwenImageEncoder:
         return {"original_length": int(mask.sum())}
 
 
-def main(argv=None):
-    parser = common.build_parser("qwenimage", __doc__.splitlines()[0], default_max_sequence_length=1024)
-    return common.run(parser.parse_args(argv), QwenImageEncoder)
-
-
-if __name__ == "__main__":
-    main()
+ENCODER = QwenImageEncoder

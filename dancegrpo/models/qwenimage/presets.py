@@ -1,7 +1,7 @@
 """Qwen-Image's embedded presets (dancegrpo.presets builds and loads them)."""
 import os
 
-from ...presets import DIGITS_DEFAULTS, DIGITS_DIR, SMALL_DEFAULTS, TINY_DEFAULTS
+from ..preset_defaults import DIGITS_DEFAULTS, DIGITS_DIR, SMALL_DEFAULTS, TINY_DEFAULTS
 from .embeddings import write_embeddings
 
 VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],

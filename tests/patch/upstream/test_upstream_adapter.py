@@ -11,7 +11,6 @@ Earlier releases, Qwen-Image-Edit and Wan 2.1: test_upstream_releases.py, test_u
 """
 import argparse
 import dataclasses
-import json
 import os
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from jagg_patch.upstream import (UpstreamChanged, UpstreamSourceChanged, apply, 
                                  run_main_block, token_hash)
 from jagg_patch.upstream.fingerprint import family_of
 from jagg_patch.seams import UpstreamRelease
-from helpers import REPO_ROOT, dist_check, dist_id
+from helpers import REPO_ROOT, dist_check, dist_id, read_jsonl
 from upstream_harness import (B, FAMILY, FILES, GA, STANDIN, Standin, copy_checkout, forget_fastvideo,  # noqa: F401
                               grad_of, in_tmp, one_rank_group, recorded_rollout, rel, standin_file)
 
@@ -100,7 +99,7 @@ def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_p
     assert "jagg_patch.upstream: train_grpo_flux.py: family flux, train_one_step of no known release" in run.stdout
     assert "JAGG plan (grouping trained, alpha timestep, backward split" in run.stdout
     assert "step 2 loss" in run.stdout   # upstream's own main ran its loop
-    lines = [json.loads(line) for line in (out / "jagg_metrics.jsonl").read_text().splitlines()]
+    lines = read_jsonl(out / "jagg_metrics.jsonl")
     assert [r["step"] for r in lines] == [1, 2] and lines[0]["run_id"] == lines[1]["run_id"]
     # --jagg_frac auto without --jagg_monitor_every: measured at step 1 (then every 10), routed from then on
     assert "measured with --jagg_monitor_every 10" in run.stdout and "step 1: JAGG routing (auto" in run.stdout
@@ -234,7 +233,7 @@ def test_counts_by_hooks_and_the_metrics_line(cache_dir, tmp_path):
     # GA 2: samples 0 and 1 come before the step's first optimizer step and take their middle from the rollout
     assert reused["transformer_forwards_reused"] == GA
     assert reused["transformer_forwards_nograd"] == B * 8 + (B - GA)
-    lines = [json.loads(line) for line in (tmp_path / "out" / "jagg_metrics.jsonl").read_text().splitlines()]
+    lines = read_jsonl(tmp_path / "out" / "jagg_metrics.jsonl")
     assert {k: lines[0][k] for k in stats} == stats and lines[1]["reuse"] == "on_policy"
     # the gathered reward, as upstream's ./reward.txt has it (its mean) and its spread, for the comparison
     assert [f"{line['reward_mean']:.4f}" for line in lines] == (tmp_path / "reward.txt").read_text().split()
