@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from .sde import _per_sample, at_least_fp32, flux_step, gaussian_log_prob
+from .sde import _per_sample, at_least_fp32, flux_step, gaussian_log_prob, step_sigmas, step_std
 
 
 def _sigmas_at(sigmas, index, like):
@@ -47,6 +47,13 @@ class Kernel:
             prev_sample = mean + noise * std
         return prev_sample, self.log_prob(prev_sample, mean, std)
 
+    def draw(self, v, x, a, sigmas, index, noise):
+        """(next state, log-prob) with the given standard-normal noise (drawn elsewhere: one generator
+        per sample in evaluation)."""
+        mean, std, _ = self.gaussian(at_least_fp32(v), at_least_fp32(x), a, sigmas, index)
+        sample = mean + noise.to(mean) * std
+        return sample, self.log_prob(sample, mean, std)
+
 
 class Dance(Kernel):
     """DanceGRPO's: its step is upstream's flux_step itself, bit for bit."""
@@ -61,6 +68,13 @@ class Dance(Kernel):
         next_x, _, logp = flux_step(v, at_least_fp32(x), a, sigmas, index, prev_sample=prev_sample, grpo=True,
                                     sde_solver=True, generator=generator)
         return next_x, logp
+
+    def draw(self, v, x, a, sigmas, index, noise):
+        """As step's draw, the noise given: flux_step's mean and its own noise scale."""
+        x = at_least_fp32(x)
+        mean, _ = flux_step(v, x, a, sigmas, index, grpo=False, sde_solver=True)
+        sample = mean + noise.to(mean) * step_std(a, *step_sigmas(sigmas, index, x))
+        return self.step(v, x, a, sigmas, index, prev_sample=sample)
 
 
 class FlowGRPO(Kernel):

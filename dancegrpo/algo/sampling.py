@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import get_kernel, kernel, ode_transition, sde_transition
+from .kernels import get_kernel, ode_transition, sde_transition
 from .sde import at_least_fp32
 
 
@@ -42,12 +42,10 @@ def sde(sde_type, eta, sigmas, generator):
 
 
 def sde_per_sample(sde_type, eta, sigmas, generators):
-    """The kernel's Gaussian, each row's noise drawn on the CPU with its own generator."""
+    """The kernel's draw, each row's noise drawn on the CPU with its own generator."""
     def step(i, v, z):
-        mean, std, _ = kernel(sde_type, v, z, eta, sigmas, i)
-        noise = torch.stack([torch.randn(z.shape[1:], generator=g) for g in generators]).to(mean)
-        sample = mean + std * noise
-        return sample, get_kernel(sde_type).log_prob(sample, mean, std)
+        noise = torch.stack([torch.randn(z.shape[1:], generator=g) for g in generators])
+        return get_kernel(sde_type).draw(v, z, eta, sigmas, i, noise)
     return step
 
 

@@ -46,6 +46,20 @@ def _per_sample(value, like):
     return value.reshape(-1, *([1] * (like.ndim - 1))).to(device=like.device, dtype=like.dtype)
 
 
+def step_sigmas(sigmas, index, latents):
+    """(sigma, sigma') of transition `index` as flux_step computes with them: Python floats for an int
+    index (upstream's arithmetic), per-sample tensors like `latents` for a LongTensor [B]."""
+    sigma, sigma_next = sigmas[index], sigmas[index + 1]
+    if torch.is_tensor(index) and index.ndim > 0:
+        return _per_sample(sigma, latents), _per_sample(sigma_next, latents)
+    return float(sigma), float(sigma_next)
+
+
+def step_std(eta, sig, sig_next):
+    """flux_step's noise scale eta sqrt(sigma - sigma') (sigmas from step_sigmas)."""
+    return eta * ((sig - sig_next) ** 0.5 if torch.is_tensor(sig) else math.sqrt(sig - sig_next))
+
+
 def flux_step(model_output, latents, eta, sigmas, index, prev_sample=None, grpo=True, sde_solver=True,
               generator=None):
     """One denoising transition of the flow-matching SDE.
@@ -55,12 +69,7 @@ def flux_step(model_output, latents, eta, sigmas, index, prev_sample=None, grpo=
     (prev_sample_mean, pred_original_sample). log_prob is the MEAN over all
     non-batch elements of the Gaussian log-density, computed in float32.
     """
-    sigma = sigmas[index]
-    sigma_next = sigmas[index + 1]
-    if torch.is_tensor(index) and index.ndim > 0:
-        sig, sig_next = _per_sample(sigma, latents), _per_sample(sigma_next, latents)
-    else:
-        sig, sig_next = float(sigma), float(sigma_next)
+    sig, sig_next = step_sigmas(sigmas, index, latents)
     dsigma = sig_next - sig  # negative: sigma decreases while denoising
 
     pred_original_sample = latents - sig * model_output
@@ -69,7 +78,7 @@ def flux_step(model_output, latents, eta, sigmas, index, prev_sample=None, grpo=
         # Score of the marginal implied by x0_hat; turns the ODE drift into the SDE drift.
         score = -(latents - (1 - sig) * pred_original_sample) / sig ** 2
         mean = mean + (-0.5 * eta ** 2 * score) * dsigma
-    std = eta * ((sig - sig_next) ** 0.5 if torch.is_tensor(sig) else math.sqrt(sig - sig_next))
+    std = step_std(eta, sig, sig_next)
 
     if not grpo:
         return mean, pred_original_sample

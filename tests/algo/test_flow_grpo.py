@@ -82,6 +82,20 @@ def test_each_kernel_rescores_its_own_draw_with_ratio_one(sde_type):
 
 
 @pytest.mark.parametrize("sde_type", SDE_TYPES)
+def test_a_draw_with_given_noise_is_the_kernels_own_draw(sde_type):
+    """Evaluation draws each image's noise with its own generator and hands it to the kernel
+    (Kernel.draw): the same next state, bit for bit, as the rollout's draw of that noise."""
+    from dancegrpo.algo.kernels import get_kernel
+    x, v, _ = states(5)
+    x, v, sigmas = x.float(), v.float(), SIGMAS.float()   # float32, as the models sample
+    for k in range(len(sigmas) - 2):
+        drawn, logp = sde_transition(sde_type, v, x, 0.8, sigmas, k, generator=torch.Generator().manual_seed(4))
+        noise = torch.randn(drawn.shape, generator=torch.Generator().manual_seed(4), dtype=drawn.dtype)
+        given, given_logp = get_kernel(sde_type).draw(v, x, 0.8, sigmas, k, noise)
+        assert torch.equal(given, drawn) and torch.equal(given_logp, logp), k
+
+
+@pytest.mark.parametrize("sde_type", SDE_TYPES)
 def test_bf16_outputs_rescore_their_rollout_draws_with_ratio_exactly_one(sde_type):
     """GPU autocast gives bf16 model outputs. The rollout draws each sample at its transition (an int
     index, a chunk at a time); the update re-scores a micro-batch of samples at DIFFERENT transitions
