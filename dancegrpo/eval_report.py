@@ -39,10 +39,10 @@ def earlier_summaries(output_dir, names):
         theirs = list(earlier[0]["metrics"]) if earlier else names
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ConfigError(f"{path!r} cannot be read ({e}); it is an earlier evaluation's: move it away or choose "
-                        "another --output_dir") from None
+                          "another --output_dir") from None
     if theirs != names:
         raise ConfigError(f"--output_dir {output_dir!r} holds an evaluation of the metrics {theirs}, this one scores "
-                        f"{names}: the table would mix columns; choose another --output_dir")
+                          f"{names}: the table would mix columns; choose another --output_dir")
     return earlier
 
 

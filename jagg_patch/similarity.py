@@ -36,4 +36,5 @@ def gradient_similarity(exact, approx, over_ranks=True):
     if over_ranks:
         sums = _sum_over_ranks(sums)
     ea, aa, ee, dd = sums.tolist()
-    return Similarity(ea / (ee * aa) ** 0.5 if ee > 0 and aa > 0 else NAN, (dd / ee) ** 0.5 if ee > 0 else NAN, ee ** 0.5)
+    cos = ea / (ee * aa) ** 0.5 if ee > 0 and aa > 0 else NAN
+    return Similarity(cos, (dd / ee) ** 0.5 if ee > 0 else NAN, ee ** 0.5)

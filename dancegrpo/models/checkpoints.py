@@ -25,8 +25,8 @@ def transformer_folder(path):
     if os.path.isfile(os.path.join(path, "transformer", "config.json")):
         return path, "transformer"
     raise ConfigError(f"Checkpoint {path!r} is neither a transformer folder (config.json + "
-                    f"{WEIGHTS_FILES[0]}, as the trainer writes checkpoint-STEP-EPOCH/), a LoRA checkpoint "
-                    f"({LORA_FILE}), nor a base model folder with transformer/config.json")
+                      f"{WEIGHTS_FILES[0]}, as the trainer writes checkpoint-STEP-EPOCH/), a LoRA checkpoint "
+                      f"({LORA_FILE}), nor a base model folder with transformer/config.json")
 
 
 def precheck_checkpoint(path, base, cls_name):

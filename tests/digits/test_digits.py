@@ -9,7 +9,7 @@ from dancegrpo.digits import data
 from dancegrpo.digits.classifiers import logistic_classifier, neighbours_classifier
 from dancegrpo.rewards import WeightedReward, available_rewards
 from dancegrpo.rewards import digit as digit_reward
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +171,6 @@ def test_grpo_and_jagg_raise_the_heldout_rate_above_the_shuffled_control(make_ar
     transitions are one JAGG group, so its whole update is JAGG) and the shuffled-advantage control,
     side by side. Measured (200 fixed-noise samples): 0.605 before; after 30 steps vanilla 0.79,
     JAGG 0.785, control 0.53 (after 40: 0.83, 0.82, 0.55)."""
-    import json
     import os
     import subprocess
     import sys
@@ -193,8 +192,7 @@ def test_grpo_and_jagg_raise_the_heldout_rate_above_the_shuffled_control(make_ar
     after = {name: _heldout_rate(args, transformer_folder=str(tmp_path / name / "checkpoint-30-0")) for name in runs}
     print(f"held-out correct-class rate: before {before:.3f}, after GRPO {after['grpo']:.3f}, after JAGG "
           f"{after['jagg']:.3f}, after control {after['control']:.3f}")
-    with open(tmp_path / "jagg" / "metrics.jsonl") as f:
-        records = [json.loads(line) for line in f]
+    records = read_metrics(tmp_path / "jagg")
     assert all(r["jagg_groups"] == r["samples"] and r["transformer_backwards"] == 2 * r["samples"] for r in records)
     for name in ("grpo", "jagg"):
         assert after[name] > before + 0.12 and after[name] > after["control"] + 0.12, (name, after)

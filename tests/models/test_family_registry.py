@@ -109,7 +109,8 @@ def test_a_family_added_as_one_package_runs_everywhere(toy_family, make_args, ca
                      "--gradient_accumulation_steps", 4, "--sample_batch_size", 4, "--update_batch_size", 2,
                      module=f"{PACKAGE}.train")
     items = json.load(open(args.data_json_path))
-    embed = torch.load(os.path.join(os.path.dirname(args.data_json_path), "prompt_embed", items[0]["prompt_embed_path"]))
+    embed = torch.load(os.path.join(os.path.dirname(args.data_json_path), "prompt_embed",
+                                    items[0]["prompt_embed_path"]))
     assert embed.shape[0] == 6 and "toy-tiny" in args.pretrained_model_name_or_path
     history = sys.modules[f"{PACKAGE}.train"].main(args)
     assert len(history) == 1 and toy.predict_calls > 0
