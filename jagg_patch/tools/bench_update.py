@@ -52,6 +52,8 @@ import time
 
 import torch
 
+from dancegrpo.utils.communications import launch_rank
+
 from ..cli import AUTO_MONITOR_EVERY, check_trajectory, trainer_cli
 from .comm_count import count_fsdp_collectives
 from ..core import resolve_backward
@@ -494,7 +496,7 @@ def main(argv=None):
                          "--jagg_frac auto with a mode ending in _auto (--bench_modes vanilla,jagg_split_reuse_auto)")
     check_trajectory(args)
     result = exit_on_config_error(run_benchmark)(module, args)
-    if int(os.environ.get("RANK", "0")) != 0:
+    if launch_rank() != 0:
         return result
     report = format_report(result)
     print(report, flush=True)
