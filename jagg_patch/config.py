@@ -32,10 +32,10 @@ class JaggConfig:
     def __post_init__(self):
         validate_jagg_config(self.window, self.jagg_frac, self.mode, self.alpha, self.backward, self.grouping,
                              self.reuse)
-        for name in ("monitor_every", "monitor_samples"):
+        for name, least in (("monitor_every", 0), ("monitor_samples", 1)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "monitor_samples"):
-                raise ValueError(f"JAGG {name} must be an integer >= {int(name == 'monitor_samples')}, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"JAGG {name} must be an integer >= {least}, got {value!r}")
         if isinstance(self.min_cos, bool) or not isinstance(self.min_cos, (int, float)) \
                 or not -1.0 <= self.min_cos <= 1.0:
             raise ValueError(f"JAGG min_cos must be a cosine in [-1, 1], got {self.min_cos!r}")

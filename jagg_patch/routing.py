@@ -17,8 +17,6 @@ _POSITION = re.compile(r"jagg_cos/g(\d+)")
 
 class AutoRouting:
     def __init__(self, min_cos=0.8):
-        if not -1.0 <= min_cos <= 1.0:
-            raise ValueError(f"--jagg_min_cos must be a cosine in [-1, 1], got {min_cos}")
         self.min_cos = min_cos
         self.smoothed = {}   # position -> EMA of jagg_cos
         self.routed = set()

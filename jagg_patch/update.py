@@ -86,8 +86,7 @@ def make_policy_update(config=None, **settings):
     measures at step 1 and every N steps (the update's `monitor`); jagg_frac "auto" routes the
     positions whose monitored cosine reaches min_cos (jagg_patch.routing; the update's `routing`)."""
     config = as_config(config, **settings)
-    backward = config.backward
-    monitor = (Monitor(config.monitor_every, config.monitor_samples, config.alpha, resolve_backward(backward))
+    monitor = (Monitor(config.monitor_every, config.monitor_samples, config.alpha, resolve_backward(config.backward))
                if config.monitor_every else None)
     routing = AutoRouting(config.min_cos) if config.auto else None
 
@@ -112,8 +111,8 @@ def make_policy_update(config=None, **settings):
             stats.metrics["jagg_routed"] = sum(1 << p for p in routing.routed)   # bit p: position p runs JAGG
         for sub, cols, group in routed_groups(batch):   # cols: [m, w] transitions
             group_mode = config.mode if group.jagg else "exact"
-            result = group_backward(sub, cols, group_mode, config.alpha, resolve_backward(backward), sub.backward,
-                                    rollout_reuse(sub, cols, config.reuse))
+            result = group_backward(sub, cols, group_mode, config.alpha, resolve_backward(config.backward),
+                                    sub.backward, rollout_reuse(sub, cols, config.reuse))
             _add_group(stats, result, group_mode, cols.shape[0])
         return stats
 
