@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The digits world's tables, end to end on CPU (the trained models of --preset digits):
+# The digits world's tables, end to end on CPU (the trained models of --preset digits, or of
+# --preset digits_large with PRESET=digits_large):
 #   1. quality: every VARIANT x SEED trains STEPS GRPO steps on the `digit` reward, writing a
 #      checkpoint every EVAL_EVERY steps; dancegrpo.evaluate scores the model before training
 #      (base@0) and every checkpoint on the held-out classifier (`digit_heldout`, 40 prompts x
@@ -11,16 +12,18 @@
 #
 #   bash benchmarks/digits.sh                                  # both families, all tables (39 min on 2 cores)
 #   MODELS=flux SEEDS=42 VARIANTS="vanilla jagg control" FIDELITY=0 bash benchmarks/digits.sh
+#   PRESET=digits_large VARIANTS="vanilla jagg" bash benchmarks/digits.sh   # the less linear world
 #
 # Settings (besides benchmarks/common.sh): SEEDS ("42 43 44"), STEPS (60), EVAL_EVERY (10),
 # EVAL_IMAGES (5 per prompt), JOBS (2 training runs at once, one thread each), FIDELITY (1; 0
 # skips part 2), FID_ROLLOUTS (3), FID_SAMPLES (32 samples per rollout), FID_GROUPINGS ("trained
 # window"). VARIANTS default: vanilla jagg jagg_window authors endpoints control.
-# Outputs: $OUT/digits/quality/<model>/seed<S>/<variant>/ (runs), .../seed<S>/eval/ (scores),
-# $OUT/digits/quality/<model>/report/{curves.png,report.md,report.json}, $OUT/digits/fidelity_<grouping>/,
-# and $OUT/digits/digits.md with every table and the run time of each part.
+# Outputs ($PRESET is digits unless set): $OUT/$PRESET/quality/<model>/seed<S>/<variant>/ (runs),
+# .../seed<S>/eval/ (scores), $OUT/$PRESET/quality/<model>/report/{curves.png,report.md,report.json},
+# $OUT/$PRESET/fidelity_<grouping>/, and $OUT/$PRESET/$PRESET.md with every table and the run time of each part.
 VARIANTS="${VARIANTS:-vanilla jagg jagg_window authors endpoints control}"
-export PRESET=digits   # before common.sh: it sets the cache folder and one thread per process for presets
+export PRESET="${PRESET:-digits}"   # before common.sh: it sets the cache folder and one thread per process
+case "$PRESET" in digits|digits_large) ;; *) echo "error: PRESET=$PRESET: this script runs the digits worlds (PRESET=digits or digits_large)" >&2; exit 2 ;; esac
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 PASS_GEOMETRY=0   # train at the preset's own S 8 / fraction 0.6, as the shipped default run does
 SEEDS="${SEEDS:-42 43 44}"
@@ -30,11 +33,11 @@ EVAL_IMAGES="${EVAL_IMAGES:-5}"
 JOBS="${JOBS:-2}"
 FIDELITY="${FIDELITY:-1}"
 FID_GROUPINGS="${FID_GROUPINGS:-trained window}"
-DEST="$OUT/digits"
+DEST="$OUT/$PRESET"
 mkdir -p "$DEST"
-REPORT="$DEST/digits.md"
+REPORT="$DEST/$PRESET.md"
 {
-  echo "# The digits world"
+  echo "# The $PRESET world"
   echo
   echo "$(machine_line)"
   echo "variants: $VARIANTS | seeds $SEEDS | $STEPS steps | W $JAGG_WINDOW | jagg_frac $JAGG_FRAC | $JOBS runs at once"
@@ -63,7 +66,7 @@ for model in $MODELS; do
   done
   drain
   t_train=$((SECONDS - t0))
-  base_model="$("$PY" -c "import sys; from dancegrpo.presets import materialize_preset as m; print(m(sys.argv[1], 'digits', '.'))" "$model")"
+  base_model="$("$PY" -c "import sys; from dancegrpo.presets import materialize_preset as m; print(m(sys.argv[1], sys.argv[2], '.'))" "$model" "$PRESET")"
   for seed in $SEEDS; do
     ckpts=(--checkpoint "base@0=$base_model")
     for variant in $VARIANTS; do
@@ -72,13 +75,13 @@ for model in $MODELS; do
       done
     done
     echo "== $model / seed $seed / evaluate $(( ${#ckpts[@]} / 2 )) checkpoints" >&2
-    "$PY" -m dancegrpo.evaluate --family "$model" --preset digits --cache_dir "$CACHE_DIR" "${ckpts[@]}" \
+    "$PY" -m dancegrpo.evaluate --family "$model" --preset "$PRESET" --cache_dir "$CACHE_DIR" "${ckpts[@]}" \
       --metrics digit,digit_heldout --max_prompts 40 --num_images_per_prompt "$EVAL_IMAGES" --seed "$seed" \
       --output_dir "$root/seed$seed/eval" > "$root/seed$seed/eval.log" 2>&1 \
       || { echo "error: evaluate failed; see $root/seed$seed/eval.log" >&2; tail -20 "$root/seed$seed/eval.log" >&2; exit 1; }
   done
   "$PY" -m jagg_patch.tools.quality_report "$root" --metric digit_heldout --out "$root/report" --variants "${VARIANTS// /,}" \
-    --title "digits world, $model: GRPO on the digit reward, seeds $SEEDS" > /dev/null
+    --title "$PRESET world, $model: GRPO on the digit reward, seeds $SEEDS" > /dev/null
   {
     echo; echo "## Quality, $model ($((SECONDS - t0)) s: training $t_train s, evaluation $((SECONDS - t0 - t_train)) s)"; echo
     cat "$root/report/report.md"
@@ -89,7 +92,7 @@ done
 if [[ "$FIDELITY" == 1 ]]; then
   for grouping in $FID_GROUPINGS; do
     t0=$SECONDS
-    JAGG_GROUPING="$grouping" OUT="$DEST/fidelity_$grouping" PRESET=digits WINDOWS="$JAGG_WINDOW" \
+    JAGG_GROUPING="$grouping" OUT="$DEST/fidelity_$grouping" PRESET="$PRESET" WINDOWS="$JAGG_WINDOW" \
       ROLLOUTS="${FID_ROLLOUTS:-3}" SAMPLES="${FID_SAMPLES:-32}" bash "$ROOT/benchmarks/fidelity.sh" > /dev/null
     { echo; echo "## Fidelity, grouping $grouping ($((SECONDS - t0)) s)"; echo
       sed '1,/^preset:/d' "$DEST/fidelity_$grouping/fidelity/fidelity.md"; } >> "$REPORT"

@@ -1,5 +1,5 @@
 """Build the digits world's models from the data, deterministically:
-`python -m dancegrpo.digits.build --family flux|qwenimage --out DIR`.
+`python -m dancegrpo.digits.build --family flux|qwenimage [--world digits|digits_large] --out DIR`.
 
 1. the family's VAE, trained to reconstruct the rendered training digits; its latent shift and
    scale are measured on them and written into its config, where the family's decode reads them;
@@ -28,9 +28,33 @@ from . import data
 SIZE = 64
 
 
-def digits_world(family_name):
-    """The family's digits build spec (its package's DigitsWorld, dancegrpo.models.registry)."""
-    return family_part(family_name, "digits").DigitsWorld()
+WORLDS = ("digits", "digits_large")
+
+
+def digits_world(family_name, world="digits"):
+    """The family's build spec of that world (its package's WORLDS, dancegrpo.models.registry)."""
+    worlds = family_part(family_name, "digits").WORLDS
+    if world not in worlds:
+        raise ValueError(f"the {family_name} family has no {world!r} world; it has {sorted(worlds)}")
+    return worlds[world]()
+
+
+def make_transformer(world):
+    """The world's transformer at initialisation: diffusers' own, then the MLP input projections
+    named by the world scaled by its mlp_gain (a sharper nonlinearity of the latent; 1 leaves
+    diffusers' initialisation as it is)."""
+    import diffusers
+    cls, config = world.transformer
+    transformer = getattr(diffusers, cls)(**config)
+    if world.mlp_gain != 1:
+        scaled = [m for n, m in transformer.named_modules() if n.endswith(world.mlp_inputs)]
+        if not scaled:
+            raise ValueError(f"no module of {cls} ends with any of {world.mlp_inputs}: the world names the wrong "
+                             "MLP projections")
+        with torch.no_grad():
+            for module in scaled:
+                module.weight.mul_(world.mlp_gain)
+    return transformer
 
 
 def pixels(images):
@@ -71,13 +95,12 @@ def reconstruction_mse(world, vae, x):
                      for i in range(0, len(x), 256)) / x.numel())
 
 
-def train_transformer(world, family, latents, labels, embeds, steps, generator, batch=128, lr=1e-3):
+def train_transformer(world, family, latents, labels, embeds, steps, generator, batch=128, lr=1e-3, transformer=None):
     """Rectified flow: x_s = (1 - s) x0 + s eps, target v = eps - x0 (so x0 = x_s - s v, as flux_step
-    reads the model), s logit-normal."""
-    import diffusers
+    reads the model), s logit-normal. Trains `transformer` when given (an experiment's own
+    initialisation), else the world's."""
     from ..models.base import pack_latents
-    cls, config = world.transformer
-    transformer = getattr(diffusers, cls)(**config)
+    transformer = make_transformer(world) if transformer is None else transformer
     n, c, h, w = latents.shape
     tokens = pack_latents(latents, n, c, h, w)
     prompts_of = {d: data.prompts_for(d) for d in range(10)}
@@ -116,18 +139,23 @@ def correct_class_rate(family, transformer, vae, embeds, n=200, sampling_steps=8
     return float((predicted == [data.digit_of_prompt(p) for p in prompts]).mean())
 
 
-def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=print, max_images=None):
-    """Train the family's VAE and transformer and write the model folder. `max_images` keeps the first
-    images of each split and as many evaluation samples (at most the usual 200): a quick build
-    whose numbers say nothing, for checking the path end to end."""
-    world = digits_world(family_name)
+def build(family_name, out, vae_steps=300, transformer_steps=None, seed=0, log=print, max_images=None,
+          world_name="digits"):
+    """Train the family's VAE and transformer of the world and write the model folder (transformer_steps:
+    the world's own when None). `max_images` keeps the first images of each split and as many
+    evaluation samples (at most the usual 200): a quick build whose numbers say nothing, for
+    checking the path end to end."""
+    world = digits_world(family_name, world_name)
+    transformer_steps = world.transformer_steps if transformer_steps is None else transformer_steps
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     (x, y), (test_x, _) = data.load_split()
     x, y, test_x = x[:max_images], y[:max_images], test_x[:max_images]
     eval_samples = min(200, max_images or 200)
-    record = {"family": family_name, "seed": seed, "size": SIZE, "vae_steps": vae_steps,
+    record = {"family": family_name, "world": world_name, "seed": seed, "size": SIZE, "vae_steps": vae_steps,
               "transformer_steps": transformer_steps, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if world.mlp_gain != 1:
+        record["mlp_gain"] = world.mlp_gain
     if max_images is not None:
         record["max_images"] = max_images
     t0 = time.time()
@@ -159,16 +187,18 @@ def build(family_name, out, vae_steps=300, transformer_steps=1500, seed=0, log=p
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dancegrpo.digits.build", description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=family_names(), default="flux")
+    p.add_argument("--world", choices=WORLDS, default="digits",
+                   help="digits: the default world; digits_large: the deeper, less linear one (docs/digits_large.md).")
     p.add_argument("--out", required=True, help="Folder to write transformer/, vae/, data/ and BUILD.json into.")
     p.add_argument("--vae_steps", type=int, default=300)
-    p.add_argument("--transformer_steps", type=int, default=1500)
+    p.add_argument("--transformer_steps", type=int, default=None, help="Default: the world's own (1500).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_images", type=int, default=None,
                    help="Keep only the first N images of each split and N evaluation samples: a quick check of "
                         "the build, not a model to use.")
     args = p.parse_args(argv)
     return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed,
-                 log=lambda m: print(m, flush=True), max_images=args.max_images)
+                 log=lambda m: print(m, flush=True), max_images=args.max_images, world_name=args.world)
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ A family package (`dancegrpo/models/<family>/`, as torchtitan's models/<name>/) 
     model.py       that class
     embeddings.py  save_embeddings(root, entries) / write_embeddings(root, prompts, text): the
                    prompt-embedding file layout the trainer reads
-    presets.py     PRESETS: {preset name: spec} (tiny, small: built at first use; digits: shipped)
-    digits.py      DigitsWorld: the digits build spec (VAE, transformer, text, conditions)
+    presets.py     PRESETS: {preset name: spec} (tiny, small: built at first use; digits, digits_large:
+                   shipped)
+    digits.py      WORLDS: {world name: build spec} (DigitsWorld: VAE, transformer, text, conditions;
+                   DigitsLargeWorld: the deeper, less linear transformer)
     preprocess.py  ENCODER: the model part of the prompt-embedding writer (the real text encoders;
                    dancegrpo.preprocess.common runs it)
 The trainer, presets, evaluate, the digits build and preprocessing look a family up here and

@@ -40,6 +40,8 @@ FILES = {
 
         class DigitsWorld(FluxWorld):
             family = ToyFamily
+
+        WORLDS = {"digits": DigitsWorld}
     """,
     "preprocess.py": """
         import torch

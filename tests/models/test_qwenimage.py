@@ -51,7 +51,7 @@ def test_registered():
     assert all(hasattr(sde, name) for name in ("flux_step", "sd3_time_shift"))
     assert all(hasattr(loop, name) for name in ("run_sample_step", "sample_reference_model", "grpo_one_step",
                                                 "train_one_step"))
-    assert presets.preset_names("qwenimage") == ["digits", "small", "tiny"]
+    assert presets.preset_names("qwenimage") == ["digits", "digits_large", "small", "tiny"]
 
 
 def test_velocity_shapes_with_padded_masks():

@@ -19,6 +19,8 @@ class DigitsWorld:
         num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
         axes_dims_rope=(4, 4, 8)))
     text = dict(tokens=8, dim=32, pooled_dim=32)
+    transformer_steps = 1500
+    mlp_gain, mlp_inputs = 1.0, ()
 
     @staticmethod
     def vae_input(x):
@@ -50,3 +52,15 @@ class DigitsWorld:
     def save_embeddings(root, embeds):
         return save_embeddings(root, [(p, t["encoder_hidden_states"], t["pooled_prompt_embeds"])
                                       for p, t in embeds.items()])
+
+
+class DigitsLargeWorld(DigitsWorld):
+    """The digits_large world: the same VAE, data and prompts; a deeper transformer (2 double + 4
+    single blocks) whose MLP input projections start 4x larger than diffusers' initialisation
+    (sharper GELU features of the latent), the two factors measured to make the parameter Jacobian
+    least linear along the trajectory at this scale (docs/digits_large.md)."""
+    transformer = ("FluxTransformer2DModel", dict(DigitsWorld.transformer[1], num_layers=2, num_single_layers=4))
+    mlp_gain, mlp_inputs = 4.0, ("ff.net.0.proj", "ff_context.net.0.proj", "proj_mlp")
+
+
+WORLDS = {"digits": DigitsWorld, "digits_large": DigitsLargeWorld}

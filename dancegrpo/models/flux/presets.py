@@ -1,7 +1,8 @@
 """Flux's embedded presets (dancegrpo.presets builds and loads them)."""
 import os
 
-from ..preset_defaults import DIGITS_DEFAULTS, DIGITS_DIR, SMALL_DEFAULTS, TINY_DEFAULTS
+from ..preset_defaults import (DIGITS_DEFAULTS, DIGITS_DIR, DIGITS_LARGE_DEFAULTS, DIGITS_LARGE_DIR,
+                              SMALL_DEFAULTS, TINY_DEFAULTS)
 from .embeddings import write_embeddings
 
 VAE = dict(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
@@ -27,4 +28,6 @@ PRESETS = {
         text=dict(tokens=32, dim=128, pooled_dim=64),
         num_prompts=16, write_embeddings=write_embeddings, defaults=SMALL_DEFAULTS),
     "digits": dict(shipped=os.path.join(DIGITS_DIR, "flux"), num_prompts=40, defaults=DIGITS_DEFAULTS),
+    "digits_large": dict(shipped=os.path.join(DIGITS_LARGE_DIR, "flux"), num_prompts=40,
+                         defaults=DIGITS_LARGE_DEFAULTS),
 }

@@ -1,7 +1,8 @@
 """Qwen-Image's embedded presets (dancegrpo.presets builds and loads them)."""
 import os
 
-from ..preset_defaults import DIGITS_DEFAULTS, DIGITS_DIR, SMALL_DEFAULTS, TINY_DEFAULTS
+from ..preset_defaults import (DIGITS_DEFAULTS, DIGITS_DIR, DIGITS_LARGE_DEFAULTS, DIGITS_LARGE_DIR,
+                              SMALL_DEFAULTS, TINY_DEFAULTS)
 from .embeddings import write_embeddings
 
 VAE = dict(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=1, attn_scales=[],
@@ -23,4 +24,6 @@ PRESETS = {
         text=dict(tokens=48, min_tokens=16, dim=128),
         num_prompts=16, write_embeddings=write_embeddings, defaults=SMALL_DEFAULTS),
     "digits": dict(shipped=os.path.join(DIGITS_DIR, "qwenimage"), num_prompts=40, defaults=DIGITS_DEFAULTS),
+    "digits_large": dict(shipped=os.path.join(DIGITS_LARGE_DIR, "qwenimage"), num_prompts=40,
+                         defaults=dict(DIGITS_LARGE_DEFAULTS, sampling_steps=20)),
 }

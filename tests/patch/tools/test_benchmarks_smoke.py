@@ -29,6 +29,12 @@ SCRIPTS = {
         SIZE_ARGS="--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 "
                   "--update_batch_size 2", SEEDS="1 2", STEPS="2", EVAL_EVERY="1", EVAL_IMAGES="1",
         VARIANTS="vanilla jagg_window", FID_ROLLOUTS="1", FID_SAMPLES="2", FID_GROUPINGS="window", PRESET="")),
+    # The one test of the digits_large world: one seed x two variants x one step, its bench and table
+    "test_digits_large_script": ("digits_large.sh", dict(
+        SIZE_ARGS="--train_batch_size 1 --num_generations 2 --gradient_accumulation_steps 2 --sample_batch_size 2 "
+                  "--update_batch_size 2", SEEDS="1", STEPS="1", EVAL_EVERY="1", EVAL_IMAGES="1",
+        VARIANTS="vanilla jagg_auto", FID_ROLLOUTS="1", FID_SAMPLES="2", FID_GROUPINGS="window", BENCH_REPS="1",
+        BENCH_UNIT_REPS="1", MONITOR_EVERY="1")),
     "test_flow_grpo_fast_script": ("flow_grpo_fast.sh", dict(BENCH_REPS="1",
                                                              BENCH_MODES="vanilla,jagg_split,jagg_split_reuse")),
 }
@@ -143,6 +149,27 @@ def test_digits_script(script):
     assert (out / "digits/quality/flux/report/curves.png").is_file()
     fid = json.loads((out / "digits/fidelity_window/fidelity/flux/w4/fidelity.json").read_text())
     assert fid["grouping"] == "window" and fid["rollouts"] == 1
+
+
+def test_digits_large_script(script):
+    """benchmarks/digits_large.sh on the shipped digits_large models: the runs at the preset's own
+    geometry (upstream's S 16), the bench of auto side by side with vanilla, and the table joining
+    them (auto's ratio at the runs' cadence, its routing read from the runs)."""
+    text, out = script
+    root = out / "digits_large"
+    assert "# How to use JAGG in the digits_large world" in text and "## flux" in text
+    assert "digits_large" in (root / "quality/flux/seed1/vanilla.log").read_text()
+    (record,) = [json.loads(line) for line in (root / "quality/flux/seed1/vanilla/metrics.jsonl").read_text().splitlines()]
+    assert record["train_timesteps"] == 9     # S 16, fraction 0.6: 9 of 15 transitions
+    bench = json.loads((root / "speed/flux/jagg_auto.json").read_text())
+    assert set(bench["modes"]) == {"vanilla", "jagg_split_reuse_auto"} and bench["monitor_every"] == 1
+    table = json.loads((root / "tradeoff/flux/tradeoff.json").read_text())
+    rows = {r["variant"]: r for r in table["rows"]}
+    auto = bench["modes"]["jagg_split_reuse_auto"]
+    assert rows["vanilla"]["step_ratio"] == 1.0
+    assert rows["jagg_auto"]["step_ratio"] == pytest.approx(auto["cadence_step_s"] / bench["modes"]["vanilla"]["step_s"])
+    assert rows["jagg_auto"]["routing"].startswith("step 1: ")   # measured at step 1 (every step here)
+    assert (root / "tradeoff/flux/pareto.png").is_file()
 
 
 def test_gpu_check_refuses_at_once_without_cuda(tmp_path):

@@ -1,0 +1,215 @@
+"""The table that decides how to use JAGG: quality against whole-step time, one row per configuration.
+
+    python -m jagg_patch.tools.tradeoff QUALITY_ROOT --bench VARIANT=BENCH_JSON:MODE [--bench ...] \\
+        [--metric digit_heldout] [--tolerance_sd 1] [--goal_ratio 0.6] [--out DIR] [--title T]
+
+QUALITY_ROOT is one family's quality folder as benchmarks/digits.sh lays it out: report/report.json
+(jagg_patch.tools.quality_report: the held-out metric at the last evaluated step per seed) and
+seed<S>/<variant>/metrics.jsonl (the training runs). Each --bench names the jagg_patch.tools.bench_update
+JSON that timed a variant side by side with vanilla in one process, and the bench mode that runs
+what the variant's training runs ran; the ratio is that mode's whole step (rollout + update) over
+vanilla's in the same JSON, and for a mode with `_auto` the step at the run's monitoring cadence (the
+routed update plus 1/N of one measurement). vanilla is 1 by definition and needs no --bench.
+
+Per variant: the metric (mean ± sd over seeds), the step-time ratio, the backwards per step (median
+over the runs), and for a variant whose runs routed with --jagg_frac auto, the routing it chose and
+the steps at which it changed, per seed (the `jagg_routed` bitmask of the metrics records). Then the
+verdicts: the fastest variant whose mean is within --tolerance_sd of vanilla's seed-sd below vanilla's
+mean, whether it meets --goal_ratio, and for each window whether auto is faster than every fixed
+fraction of that window at equal quality. Writes tradeoff.{md,json} and pareto.png (metric against
+the ratio, seeds' sd as error bars) under --out.
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+from .compare import CompareError, load_metrics
+
+WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
+
+
+def parse_bench(spec):
+    """'VARIANT=PATH:MODE' -> (variant, path, mode)."""
+    variant, sep, rest = spec.partition("=")
+    path, sep2, mode = rest.rpartition(":")
+    if not (sep and sep2 and variant and path and mode):
+        raise CompareError(f"--bench {spec!r}: expected VARIANT=BENCH_JSON:MODE (e.g. jagg=speed/jagg.json:jagg_split_reuse)")
+    return variant, path, mode
+
+
+def step_ratio(path, mode):
+    """Whole-step time of `mode` over vanilla's, both from one bench_update JSON."""
+    if not os.path.isfile(path):
+        raise CompareError(f"{path!r} not found: run python -m jagg_patch.tools.bench_update ... --bench_json {path}")
+    with open(path) as f:
+        bench = json.load(f)
+    modes = bench["modes"]
+    if mode not in modes or "vanilla" not in modes:
+        raise CompareError(f"{path!r} has modes {sorted(modes)}; it needs vanilla and {mode!r}")
+    vanilla = modes["vanilla"]["step_s"]
+    m = modes[mode]
+    return (m["cadence_step_s"] if "cadence_step_s" in m else m["step_s"]) / vanilla
+
+
+def routing_history(records):
+    """[(step, [routed positions])] at the first record and at every change of the routing; [] when
+    the run never routed by measurement."""
+    history = []
+    for r in records:
+        if "jagg_routed" not in r:
+            continue
+        routed = [p for p in range(int(r["jagg_routed"]).bit_length()) if int(r["jagg_routed"]) >> p & 1]
+        if not history or history[-1][1] != routed:
+            history.append((r["step"], routed))
+    return history
+
+
+def describe_routing(per_seed):
+    """One cell: the routing history, once if every seed's is the same, else per seed."""
+    def one(history):
+        return "; ".join(f"step {s}: {positions or 'none'}" for s, positions in history)
+    texts = {seed: one(h) for seed, h in per_seed.items() if h}
+    if not texts:
+        return ""
+    if len(set(texts.values())) == 1 and len(texts) == len(per_seed):
+        return next(iter(texts.values())) + " (every seed)"
+    return " | ".join(f"seed {seed}: {t}" for seed, t in texts.items())
+
+
+def collect(root, benches, metric):
+    """One row per variant of the quality report, with its ratio, backwards and routing."""
+    report_path = os.path.join(root, "report", "report.json")
+    if not os.path.isfile(report_path):
+        raise CompareError(f"{report_path!r} not found: run python -m jagg_patch.tools.quality_report {root} "
+                           f"--metric {metric} --out {os.path.join(root, 'report')}")
+    with open(report_path) as f:
+        quality = {r["variant"]: r for r in json.load(f)["rows"]}
+    if "vanilla" not in quality:
+        raise CompareError(f"{report_path!r} has no vanilla row: the ratios and the tolerance are vanilla's")
+    missing = sorted(set(quality) - set(benches) - {"vanilla", "control"})
+    if missing:
+        raise CompareError(f"no --bench for {', '.join(missing)}: each variant's step-time ratio must be measured")
+    rows = []
+    for variant, q in quality.items():
+        if variant == "control":
+            continue
+        routing = {seed: routing_history(load_metrics(os.path.join(root, f"seed{seed}", variant)))
+                   for seed in q["seeds"]}
+        ratio = 1.0 if variant == "vanilla" else step_ratio(*benches[variant])
+        rows.append(dict(variant=variant, mean=q["final_mean"], sd=q["final_sd"], per_seed=q["per_seed"],
+                         final_step=q["final_step"], step_ratio=ratio, backwards_per_step=q["backwards_per_step"],
+                         routing=describe_routing(routing), routing_per_seed=routing))
+    return rows
+
+
+def window_of(variant, default_window):
+    m = WINDOW.search(variant)
+    return int(m.group(1)) if m else default_window
+
+
+def verdicts(rows, tolerance_sd, goal_ratio, default_window):
+    """The fastest variant at vanilla's quality, the goal, and auto against the fixed fractions."""
+    vanilla = next(r for r in rows if r["variant"] == "vanilla")
+    floor = vanilla["mean"] - tolerance_sd * vanilla["sd"]
+    equal = [r for r in rows if r["mean"] >= floor]
+    best = min(equal, key=lambda r: r["step_ratio"])
+    out = dict(floor=floor, fastest_equal=best["variant"], fastest_equal_ratio=best["step_ratio"],
+               goal_ratio=goal_ratio, goal_met=best["step_ratio"] <= goal_ratio, auto={})
+    fixed = [r for r in rows if r["variant"] not in ("vanilla", "endpoints") and "auto" not in r["variant"]]
+    for auto in (r for r in rows if "auto" in r["variant"]):
+        w = window_of(auto["variant"], default_window)
+        same_w = [r for r in fixed if window_of(r["variant"], default_window) == w and r["mean"] >= floor]
+        out["auto"][auto["variant"]] = dict(
+            window=w, equal_quality=auto["mean"] >= floor,
+            beats_every_fixed=auto["mean"] >= floor and all(auto["step_ratio"] < r["step_ratio"] for r in same_w),
+            fixed_compared=[r["variant"] for r in same_w])
+    return out
+
+
+def markdown(rows, verdict, metric, tolerance_sd):
+    step = rows[0]["final_step"]
+    lines = [f"| configuration | {metric} at step {step}, mean ± sd (per seed) | whole step / vanilla's | "
+             "backwards / step | routing auto chose (step: positions) |", "|---|---|---|---|---|"]
+    for r in rows:
+        per_seed = " / ".join(f"{v:.3f}" for v in r["per_seed"].values())
+        lines.append(f"| {r['variant']} | {r['mean']:.3f} ± {r['sd']:.3f} ({per_seed}) | {r['step_ratio']:.2f} | "
+                     f"{r['backwards_per_step']:g} | {r['routing']} |")
+    v = verdict
+    lines += ["", f"- Fastest within {tolerance_sd:g} seed-sd of vanilla ({metric} >= {v['floor']:.3f}): "
+              f"**{v['fastest_equal']}**, {v['fastest_equal_ratio']:.2f} of vanilla's step time "
+              f"({1 / v['fastest_equal_ratio']:.2f}x). Goal (ratio <= {v['goal_ratio']:.2f}): "
+              f"{'met' if v['goal_met'] else 'NOT met'}."]
+    for name, a in v["auto"].items():
+        if not a["equal_quality"]:
+            lines.append(f"- {name}: below vanilla's quality floor; not compared.")
+        elif not a["fixed_compared"]:
+            lines.append(f"- {name} (W {a['window']}): no fixed fraction of W {a['window']} at equal quality to compare.")
+        else:
+            lines.append(f"- {name} (W {a['window']}): {'faster than every' if a['beats_every_fixed'] else 'NOT faster than every'}"
+                         f" fixed fraction of W {a['window']} at equal quality ({', '.join(a['fixed_compared'])}).")
+    return "\n".join(lines)
+
+
+def plot_pareto(path, panels, metric, title=None):
+    """panels: [(family, rows)] -> metric against step-time ratio, one point per configuration, sd bars."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (family, rows) in zip(axes[0], panels):
+        for i, r in enumerate(rows):
+            ax.errorbar([r["step_ratio"]], [r["mean"]], yerr=[r["sd"]], fmt="o", color=f"C{i % 10}", capsize=3,
+                        label=r["variant"])
+        ax.set_xlabel("whole-step time / vanilla's (lower is faster)")
+        ax.set_ylabel(f"{metric} at the last step (mean ± sd over seeds)")
+        ax.set_title(family)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def tradeoff(root, benches, metric="digit_heldout", tolerance_sd=1.0, goal_ratio=0.6, default_window=4):
+    rows = collect(root, benches, metric)
+    verdict = verdicts(rows, tolerance_sd, goal_ratio, default_window)
+    return rows, verdict, markdown(rows, verdict, metric, tolerance_sd)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jagg_patch.tools.tradeoff", description=__doc__.splitlines()[0])
+    p.add_argument("root", help="One family's quality folder (report/report.json, seed<S>/<variant>/).")
+    p.add_argument("--bench", action="append", default=[], metavar="VARIANT=BENCH_JSON:MODE")
+    p.add_argument("--metric", default="digit_heldout")
+    p.add_argument("--tolerance_sd", type=float, default=1.0)
+    p.add_argument("--goal_ratio", type=float, default=0.6,
+                   help="The whole-step ratio the fastest equal-quality variant should reach (0.6: 40%% less time).")
+    p.add_argument("--window", type=int, default=4, help="The window of variants whose name carries no _w<N>.")
+    p.add_argument("--out", default=None)
+    p.add_argument("--title", default=None)
+    args = p.parse_args(argv)
+    try:
+        benches = {v: (path, mode) for v, path, mode in map(parse_bench, args.bench)}
+        rows, verdict, text = tradeoff(args.root, benches, args.metric, args.tolerance_sd, args.goal_ratio, args.window)
+    except CompareError as e:
+        sys.exit(f"error: {e}")
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tradeoff.md"), "w") as f:
+            f.write(text + "\n")
+        with open(os.path.join(args.out, "tradeoff.json"), "w") as f:
+            json.dump(dict(rows=rows, verdict=verdict), f, indent=1)
+        plot_pareto(os.path.join(args.out, "pareto.png"), [(args.title or os.path.basename(args.root), rows)],
+                    args.metric)
+    return rows, verdict
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""jagg_patch.tools.tradeoff on a synthetic quality tree and hand-written bench JSONs: the ratios are
+the bench's whole steps over vanilla's (auto at its cadence), the routing history is read from the
+records' bitmask, the verdicts follow the tolerance by hand; missing pieces are refused by name."""
+import json
+import os
+
+import pytest
+
+from jagg_patch.tools.compare import CompareError
+from jagg_patch.tools.quality_report import report
+from jagg_patch.tools.tradeoff import main, routing_history, tradeoff
+
+# seed -> variant -> held-out at the last step (4); the training records are 4 steps.
+HELD = {1: {"vanilla": 0.80, "jagg": 0.78, "jagg_w8": 0.60, "jagg_auto": 0.79},
+        2: {"vanilla": 0.90, "jagg": 0.86, "jagg_w8": 0.62, "jagg_auto": 0.85}}
+# jagg_auto's routing bitmask per step (seed 2 changes at step 3; seed 1 never does)
+ROUTED = {1: [0b011, 0b011, 0b011, 0b011], 2: [0b011, 0b011, 0b001, 0b001]}
+
+
+def write_tree(root):
+    for seed, variants in HELD.items():
+        folder = root / f"seed{seed}"
+        summaries = [dict(label="base@0", metrics={"digit_heldout": {"mean": 0.5}})]
+        for variant, held in variants.items():
+            os.makedirs(folder / variant)
+            with open(folder / variant / "metrics.jsonl", "w") as f:
+                for step in range(1, 5):
+                    record = dict(step=step, reward_mean=0.5, update_time_s=1.0, step_time_s=2.0,
+                                  transformer_backwards={"vanilla": 9, "jagg": 5}.get(variant, 3))
+                    if variant == "jagg_auto":
+                        record["jagg_routed"] = ROUTED[seed][step - 1]
+                    f.write(json.dumps(record) + "\n")
+            summaries.append(dict(label=f"{variant}@4", metrics={"digit_heldout": {"mean": held}}))
+        os.makedirs(folder / "eval")
+        with open(folder / "eval" / "comparison.json", "w") as f:
+            json.dump(summaries, f)
+    report(str(root), out=str(root / "report"))
+    return root
+
+
+def write_bench(path, mode, mode_numbers, vanilla_step=4.0):
+    with open(path, "w") as f:
+        json.dump({"modes": {"vanilla": {"step_s": vanilla_step}, mode: mode_numbers}}, f)
+    return str(path)
+
+
+@pytest.fixture
+def tree(tmp_path):
+    root = write_tree(tmp_path / "quality")
+    benches = {"jagg": (write_bench(tmp_path / "j.json", "jagg_split_reuse", {"step_s": 3.0}), "jagg_split_reuse"),
+               "jagg_w8": (write_bench(tmp_path / "w8.json", "jagg_split_reuse", {"step_s": 2.0}), "jagg_split_reuse"),
+               # auto: its full timed step is 3.6 s, at its cadence 2.8 s: the cadence is the ratio
+               "jagg_auto": (write_bench(tmp_path / "a.json", "jagg_split_reuse_auto",
+                                         {"step_s": 3.6, "cadence_step_s": 2.8}), "jagg_split_reuse_auto")}
+    return root, benches
+
+
+def test_rows_ratios_and_routing(tree):
+    root, benches = tree
+    rows, verdict, text = tradeoff(str(root), benches)
+    by = {r["variant"]: r for r in rows}
+    assert by["vanilla"]["step_ratio"] == 1.0
+    assert by["jagg"]["step_ratio"] == pytest.approx(3.0 / 4.0)
+    assert by["jagg_w8"]["step_ratio"] == pytest.approx(2.0 / 4.0)
+    assert by["jagg_auto"]["step_ratio"] == pytest.approx(2.8 / 4.0)
+    assert by["jagg"]["mean"] == pytest.approx(0.82) and by["jagg"]["sd"] == pytest.approx(0.0565685, rel=1e-5)
+    assert by["jagg"]["backwards_per_step"] == 5
+    assert by["jagg_auto"]["routing_per_seed"] == {1: [(1, [0, 1])], 2: [(1, [0, 1]), (3, [0])]}
+    assert by["jagg_auto"]["routing"] == "seed 1: step 1: [0, 1] | seed 2: step 1: [0, 1]; step 3: [0]"
+    assert by["jagg"]["routing"] == ""
+    # vanilla 0.85 ± 0.0707: the floor is 0.779; w8 (0.61) is below it, jagg (0.82, 0.75) and auto
+    # (0.82, 0.70) are above: auto is the fastest at equal quality and beats jagg, the one fixed W 4 row.
+    assert verdict["floor"] == pytest.approx(0.85 - 0.0707107, rel=1e-5)
+    assert verdict["fastest_equal"] == "jagg_auto" and not verdict["goal_met"]
+    assert verdict["auto"]["jagg_auto"] == dict(window=4, equal_quality=True, beats_every_fixed=True,
+                                                fixed_compared=["jagg"])
+    assert "**jagg_auto**, 0.70 of vanilla's step time" in text and "NOT met" in text
+
+
+def test_a_looser_goal_and_tolerance_change_the_verdicts(tree):
+    root, benches = tree
+    _, verdict, _ = tradeoff(str(root), benches, tolerance_sd=4.0, goal_ratio=0.5)
+    assert verdict["fastest_equal"] == "jagg_w8" and verdict["goal_met"]     # 0.61 >= 0.85 - 4 sd = 0.567
+
+
+def test_writes_the_table_the_json_and_the_plot(tree, tmp_path):
+    root, benches = tree
+    argv = [str(root), "--out", str(tmp_path / "out")]
+    for variant, (path, mode) in benches.items():
+        argv += ["--bench", f"{variant}={path}:{mode}"]
+    main(argv)
+    for name in ("tradeoff.md", "tradeoff.json", "pareto.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+def test_refuses_a_variant_without_a_measured_ratio(tree):
+    root, benches = tree
+    del benches["jagg_w8"]
+    with pytest.raises(CompareError, match="no --bench for jagg_w8"):
+        tradeoff(str(root), benches)
+
+
+def test_refuses_a_bench_without_the_mode(tree, tmp_path):
+    root, benches = tree
+    benches["jagg"] = (benches["jagg"][0], "jagg_batched")
+    with pytest.raises(CompareError, match="needs vanilla and 'jagg_batched'"):
+        tradeoff(str(root), benches)
+
+
+def test_refuses_a_malformed_bench_argument(tree):
+    root, _ = tree
+    with pytest.raises(SystemExit, match="expected VARIANT=BENCH_JSON:MODE"):
+        main([str(root), "--bench", "jagg=only_a_path.json"])
+
+
+def test_routing_history_without_auto_is_empty():
+    assert routing_history([dict(step=1), dict(step=2)]) == []
+    assert routing_history([dict(step=1, jagg_routed=0), dict(step=2, jagg_routed=4)]) == [(1, []), (2, [2])]
