@@ -13,7 +13,8 @@ routed update plus 1/N of one measurement). vanilla is 1 by definition and needs
 
 Per variant: the metric (mean ± sd over seeds), the step-time ratio, the backwards per step (median
 over the runs), and for a variant whose runs routed with --jagg_frac auto, the routing it chose and
-the steps at which it changed, per seed (the `jagg_routed` bitmask of the metrics records). Then the
+the steps at which it changed, per seed (the `jagg_routed` bitmask of the metrics records), and the
+range of the cosines its monitor measured per position (`jagg_cos/g<p>`). Then the
 verdicts: the fastest variant whose mean is within --tolerance_sd of vanilla's seed-sd below vanilla's
 mean, whether it meets --goal_ratio, and for each window whether auto is faster than every fixed
 fraction of that window at equal quality. Writes tradeoff.{md,json} and pareto.png (metric against
@@ -66,6 +67,26 @@ def routing_history(records):
     return history
 
 
+def measured_cos(records):
+    """{position: (lowest, highest)} of the cosines the live monitor measured (jagg_cos/g<p>)."""
+    seen = {}
+    for r in records:
+        for key, value in r.items():
+            if key.startswith("jagg_cos/g") and value == value:   # NaN: nothing to compare there
+                seen.setdefault(int(key[len("jagg_cos/g"):]), []).append(value)
+    return {p: (min(v), max(v)) for p, v in sorted(seen.items())}
+
+
+def describe_cos(per_seed):
+    """'g0 0.985-0.991, g1 ...' over every seed's measurements."""
+    merged = {}
+    for spans in per_seed.values():
+        for p, (low, high) in spans.items():
+            old = merged.get(p, (low, high))
+            merged[p] = (min(old[0], low), max(old[1], high))
+    return ", ".join(f"g{p} {low:.3f}-{high:.3f}" for p, (low, high) in merged.items())
+
+
 def describe_routing(per_seed):
     """One cell: the routing history, once if every seed's is the same, else per seed."""
     def one(history):
@@ -95,12 +116,13 @@ def collect(root, benches, metric):
     for variant, q in quality.items():
         if variant == "control":
             continue
-        routing = {seed: routing_history(load_metrics(os.path.join(root, f"seed{seed}", variant)))
-                   for seed in q["seeds"]}
+        records = {seed: load_metrics(os.path.join(root, f"seed{seed}", variant)) for seed in q["seeds"]}
+        routing = {seed: routing_history(r) for seed, r in records.items()}
+        cosines = {seed: measured_cos(r) for seed, r in records.items()}
         ratio = 1.0 if variant == "vanilla" else step_ratio(*benches[variant])
         rows.append(dict(variant=variant, mean=q["final_mean"], sd=q["final_sd"], per_seed=q["per_seed"],
                          final_step=q["final_step"], step_ratio=ratio, backwards_per_step=q["backwards_per_step"],
-                         routing=describe_routing(routing), routing_per_seed=routing))
+                         routing=describe_routing(routing), routing_per_seed=routing, measured_cos=describe_cos(cosines)))
     return rows
 
 
@@ -131,11 +153,11 @@ def verdicts(rows, tolerance_sd, goal_ratio, default_window):
 def markdown(rows, verdict, metric, tolerance_sd):
     step = rows[0]["final_step"]
     lines = [f"| configuration | {metric} at step {step}, mean ± sd (per seed) | whole step / vanilla's | "
-             "backwards / step | routing auto chose (step: positions) |", "|---|---|---|---|---|"]
+             "backwards / step | routing auto chose (step: positions) | cos the monitor measured |", "|---|---|---|---|---|---|"]
     for r in rows:
         per_seed = " / ".join(f"{v:.3f}" for v in r["per_seed"].values())
         lines.append(f"| {r['variant']} | {r['mean']:.3f} ± {r['sd']:.3f} ({per_seed}) | {r['step_ratio']:.2f} | "
-                     f"{r['backwards_per_step']:g} | {r['routing']} |")
+                     f"{r['backwards_per_step']:g} | {r['routing']} | {r['measured_cos']} |")
     v = verdict
     lines += ["", f"- Fastest within {tolerance_sd:g} seed-sd of vanilla ({metric} >= {v['floor']:.3f}): "
               f"**{v['fastest_equal']}**, {v['fastest_equal_ratio']:.2f} of vanilla's step time "

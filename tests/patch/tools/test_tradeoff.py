@@ -29,6 +29,8 @@ def write_tree(root):
                                   transformer_backwards={"vanilla": 9, "jagg": 5}.get(variant, 3))
                     if variant == "jagg_auto":
                         record["jagg_routed"] = ROUTED[seed][step - 1]
+                        if step in (1, 3):   # the monitor measures at steps 1 and 3
+                            record.update({"jagg_cos/g0": 0.9 + 0.01 * step + 0.001 * seed, "jagg_cos/g1": float("nan")})
                     f.write(json.dumps(record) + "\n")
             summaries.append(dict(label=f"{variant}@4", metrics={"digit_heldout": {"mean": held}}))
         os.makedirs(folder / "eval")
@@ -67,7 +69,9 @@ def test_rows_ratios_and_routing(tree):
     assert by["jagg"]["backwards_per_step"] == 5
     assert by["jagg_auto"]["routing_per_seed"] == {1: [(1, [0, 1])], 2: [(1, [0, 1]), (3, [0])]}
     assert by["jagg_auto"]["routing"] == "seed 1: step 1: [0, 1] | seed 2: step 1: [0, 1]; step 3: [0]"
-    assert by["jagg"]["routing"] == ""
+    assert by["jagg"]["routing"] == "" and by["jagg"]["measured_cos"] == ""
+    # g0 measured 0.911, 0.931 (seed 1), 0.912, 0.932 (seed 2); g1 only NaN: not shown
+    assert by["jagg_auto"]["measured_cos"] == "g0 0.911-0.932"
     # vanilla 0.85 ± 0.0707: the floor is 0.779; w8 (0.61) is below it, jagg (0.82, 0.75) and auto
     # (0.82, 0.70) are above: auto is the fastest at equal quality and beats jagg, the one fixed W 4 row.
     assert verdict["floor"] == pytest.approx(0.85 - 0.0707107, rel=1e-5)
