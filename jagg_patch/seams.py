@@ -60,6 +60,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.utils.plots", "moving_average", ("values", "window")),
     ("dancegrpo.utils.plots", "plot_mean_spread", ("path", "panels", "title")),
     ("dancegrpo.utils.plots", "plot_reward_curves", ("path", "curves")),
+    ("dancegrpo.utils.plots", "save_figure", ("fig", "path", "title")),
     ("dancegrpo.build", "TrainContext", None),
     ("dancegrpo.trainer", "PreparedUpdate", None),
     ("dancegrpo.trainer", "accumulate_policy_gradient", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",

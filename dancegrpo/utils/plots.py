@@ -29,11 +29,7 @@ def plot_reward_curves(path, curves):
     ax.set_title("Reward per step (faint) and moving average (bold)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def plot_mean_spread(path, panels, title=None):
@@ -53,6 +49,12 @@ def plot_mean_spread(path, panels, title=None):
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0][0].legend()
+    return save_figure(fig, path, title)
+
+
+def save_figure(fig, path, title=None):
+    """Title, tight layout, the PNG at `path` (its folder made), the figure closed; returns path."""
+    import matplotlib.pyplot as plt
     if title:
         fig.suptitle(title)
     fig.tight_layout()

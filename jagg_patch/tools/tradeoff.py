@@ -26,6 +26,8 @@ import os
 import re
 import sys
 
+from dancegrpo.utils.plots import save_figure
+
 from .compare import CompareError, load_metrics
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
@@ -189,13 +191,7 @@ def plot_pareto(path, panels, metric, title=None):
         ax.set_title(family)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def tradeoff(root, benches, metric="digit_heldout", tolerance_sd=1.0, goal_ratio=0.6, default_window=4):
