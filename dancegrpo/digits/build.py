@@ -28,7 +28,9 @@ from . import data
 SIZE = 64
 
 
-WORLDS = ("digits", "digits_large")
+def world_names():
+    """Every world some registered family builds (the CLI's choices; a family without one refuses it)."""
+    return sorted({name for family in family_names() for name in family_part(family, "digits").WORLDS})
 
 
 def digits_world(family_name, world="digits"):
@@ -187,11 +189,11 @@ def build(family_name, out, vae_steps=300, transformer_steps=None, seed=0, log=p
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m dancegrpo.digits.build", description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=family_names(), default="flux")
-    p.add_argument("--world", choices=WORLDS, default="digits",
+    p.add_argument("--world", choices=world_names(), default="digits",
                    help="digits: the default world; digits_large: the deeper, less linear one (docs/digits_large.md).")
     p.add_argument("--out", required=True, help="Folder to write transformer/, vae/, data/ and BUILD.json into.")
     p.add_argument("--vae_steps", type=int, default=300)
-    p.add_argument("--transformer_steps", type=int, default=None, help="Default: the world's own (1500).")
+    p.add_argument("--transformer_steps", type=int, default=None, help="Default: the world's own (1500; Qwen-Image's digits_large 700).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max_images", type=int, default=None,
                    help="Keep only the first N images of each split and N evaluation samples: a quick check of "
