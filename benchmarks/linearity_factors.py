@@ -1,7 +1,7 @@
 """What makes a trained flow model less linear along its trajectory: one factor at a time.
 
     python benchmarks/linearity_factors.py --family flux --out runs/factors [--factors base,depth,...]
-        [--steps 1500] [--windows 4] [--groupings window,trained] [--rollouts 2] [--samples 8]
+        [--steps N] [--windows 4] [--groupings window,trained] [--rollouts 2] [--samples 8]
 
 For each factor, the digits world's transformer is trained again (the build's own flow-matching
 loop, dancegrpo.digits.build.train_transformer, seed 0, on the shipped digits VAE's latents and the
@@ -70,7 +70,13 @@ def scale_init(transformer, gains):
                 m.weight.mul_(gain)
 
 
-def train_factor(family_name, factor, folder, steps):
+def training_steps(world, factor, steps=None):
+    """The factor's training length: --steps (default: the world's own, as its build trains it; 700
+    for Qwen-Image's digits_large) times the factor's multiplier."""
+    return (world.transformer_steps if steps is None else steps) * FACTORS[factor][4]
+
+
+def train_factor(family_name, factor, folder, steps=None):
     """Train the factor's transformer on the shipped world's latents and embeddings; write the model
     folder; return (parameters, training seconds, held-out ODE rate)."""
     import diffusers
@@ -94,7 +100,7 @@ def train_factor(family_name, factor, folder, steps):
     transformer = B.make_transformer(world)
     scale_init(transformer, FACTORS[factor][3])
     t0 = time.time()
-    transformer = B.train_transformer(world, family, latents, y, embeds, steps * FACTORS[factor][4],
+    transformer = B.train_transformer(world, family, latents, y, embeds, training_steps(world, factor, steps),
                                       torch.Generator().manual_seed(0), transformer=transformer)
     seconds = time.time() - t0
     transformer.save_pretrained(os.path.join(folder, "transformer"))
@@ -140,6 +146,7 @@ def plot(path, results, family):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from dancegrpo.utils.plots import save_figure
     keys = sorted({k for r in results.values() for k in r["fidelity"]})
     fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -151,16 +158,15 @@ def plot(path, results, family):
         ax.set_ylabel("cos(JAGG, exact)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=("flux", "qwenimage"), default="flux")
     p.add_argument("--factors", default=",".join(FACTORS))
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per factor (x the factor's multiplier); default: the world's own")
     p.add_argument("--windows", default="4")
     p.add_argument("--groupings", default="window,trained")
     p.add_argument("--rollouts", type=int, default=2)

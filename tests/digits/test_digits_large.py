@@ -62,3 +62,42 @@ def test_shipped_large_world_is_within_its_budgets(family):
     assert package_mib(DIGITS_LARGE_DIR) <= 25
     defaults = preset_spec(family, "digits_large")["defaults"]
     assert defaults["sampling_steps"] == {"flux": 16, "qwenimage": 20}[family] and defaults["timestep_fraction"] == 0.6
+
+
+def load_factor_sweep():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "linearity_factors.py")
+    spec = importlib.util.spec_from_file_location("linearity_factors", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_factor_sweep_changes_one_thing_per_factor(family):
+    """benchmarks/linearity_factors.py: each factor's transformer differs from the base configuration
+    in the named keys only, trains as long as its world's build does (x its multiplier: `large` on
+    Qwen-Image 700 steps, as shipped), and its init gains scale exactly the named tensors."""
+    sweep = load_factor_sweep()
+    base = digits_world(family)
+    for factor, (_, config, world_changes, gains, multiplier) in sweep.FACTORS.items():
+        world = sweep.factor_world(family, factor)
+        expected = digits_world(family, "digits_large") if config is None else base
+        assert sweep.training_steps(world, factor) == expected.transformer_steps * multiplier, factor
+        assert sweep.training_steps(world, factor, 10) == 10 * multiplier
+        if config is not None:
+            changed = {k for k in world.transformer[1] if world.transformer[1][k] != base.transformer[1].get(k)}
+            assert changed == set(config.get(family, {})), factor
+            assert world.mlp_gain == world_changes.get("mlp_gain", 1.0), factor
+    torch.manual_seed(0)
+    transformer = make_transformer(base)
+    before = {k: v.clone() for k, v in transformer.state_dict().items()}
+    gains = sweep.FACTORS["qk_gain"][3]
+    sweep.scale_init(transformer, gains)
+    (suffixes, gain), = gains.items()
+    scaled = [k for k in before if k.endswith(".weight") and k[:-len(".weight")].endswith(suffixes)]
+    assert scaled
+    for key, value in transformer.state_dict().items():
+        assert torch.equal(value, before[key] * gain if key in scaled else before[key]), key
+    with pytest.raises(SystemExit, match="no module ends with"):
+        sweep.scale_init(transformer, {("no_such_norm",): 2.0})
