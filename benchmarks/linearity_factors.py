@@ -152,12 +152,14 @@ def plot(path, results, family):
     for ax, key in zip(axes[0], keys):
         for i, (name, r) in enumerate(results.items()):
             rows = r["fidelity"].get(key, [])
-            ax.plot([x["position"] for x in rows], [x["cos"] for x in rows], marker="o", color=f"C{i % 10}", label=name)
+            if rows:   # one colour per factor across the panels (20 before a colour repeats)
+                ax.plot([x["position"] for x in rows], [x["cos"] for x in rows], marker="o",
+                        color=plt.cm.tab20(i % 20), label=name)
         ax.set_title(f"{family}, {key}")
         ax.set_xlabel("position (0 = highest noise)")
         ax.set_ylabel("cos(JAGG, exact)")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
     save_figure(fig, path)
 
 
