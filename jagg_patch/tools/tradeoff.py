@@ -17,8 +17,11 @@ the steps at which it changed, per seed (the `jagg_routed` bitmask of the metric
 range of the cosines its monitor measured per position (`jagg_cos/g<p>`). Then the
 verdicts: the fastest variant whose mean is within --tolerance_sd of vanilla's seed-sd below vanilla's
 mean, whether it meets --goal_ratio, and for each window whether auto is faster than every fixed
-fraction of that window at equal quality. Writes tradeoff.{md,json} and pareto.png (metric against
-the ratio, seeds' sd as error bars) under --out.
+fraction of that window at equal quality. A step counts as faster than another only by more than
+both benches' repetition spreads (half the range of the timed updates over vanilla's step, shown
+as the ratio's ±): auto trains a fixed fraction's runs bit for bit when it routes the same, and a
+0.01 between their medians is timing noise, not a verdict. Writes tradeoff.{md,json} and
+pareto.png (metric against the ratio, seeds' sd and the ratio's spread as error bars) under --out.
 """
 import argparse
 import json
@@ -42,8 +45,14 @@ def parse_bench(spec):
     return variant, path, mode
 
 
+def _half_range(times):
+    return (max(times) - min(times)) / 2 if times else 0.0
+
+
 def step_ratio(path, mode):
-    """Whole-step time of `mode` over vanilla's, both from one bench_update JSON."""
+    """(ratio, spread) from one bench_update JSON: whole-step time of `mode` over vanilla's, and half
+    the range of both updates' timed repetitions over vanilla's step (what the ratio moves by between
+    repetitions; 0 where the JSON records none)."""
     if not os.path.isfile(path):
         raise CompareError(f"{path!r} not found: run python -m jagg_patch.tools.bench_update ... --bench_json {path}")
     with open(path) as f:
@@ -53,7 +62,9 @@ def step_ratio(path, mode):
         raise CompareError(f"{path!r} has modes {sorted(modes)}; it needs vanilla and {mode!r}")
     vanilla = modes["vanilla"]["step_s"]
     m = modes[mode]
-    return (m["cadence_step_s"] if "cadence_step_s" in m else m["step_s"]) / vanilla
+    reps = bench.get("update_times_s", {})
+    spread = (_half_range(reps.get(mode, [])) + _half_range(reps.get("vanilla", []))) / vanilla
+    return (m["cadence_step_s"] if "cadence_step_s" in m else m["step_s"]) / vanilla, spread
 
 
 def routing_history(records):
@@ -121,9 +132,10 @@ def collect(root, benches, metric):
         records = {seed: load_metrics(os.path.join(root, f"seed{seed}", variant)) for seed in q["seeds"]}
         routing = {seed: routing_history(r) for seed, r in records.items()}
         cosines = {seed: measured_cos(r) for seed, r in records.items()}
-        ratio = 1.0 if variant == "vanilla" else step_ratio(*benches[variant])
+        ratio, spread = (1.0, 0.0) if variant == "vanilla" else step_ratio(*benches[variant])
         rows.append(dict(variant=variant, mean=q["final_mean"], sd=q["final_sd"], per_seed=q["per_seed"],
-                         final_step=q["final_step"], step_ratio=ratio, backwards_per_step=q["backwards_per_step"],
+                         final_step=q["final_step"], step_ratio=ratio, step_spread=spread,
+                         backwards_per_step=q["backwards_per_step"],
                          routing=describe_routing(routing), routing_per_seed=routing, measured_cos=describe_cos(cosines)))
     return rows
 
@@ -133,13 +145,20 @@ def window_of(variant, default_window):
     return int(m.group(1)) if m else default_window
 
 
+def clearly_faster(a, b):
+    """a's step is shorter than b's by more than both benches' repetition spreads."""
+    return a["step_ratio"] + a["step_spread"] < b["step_ratio"] - b["step_spread"]
+
+
 def verdicts(rows, tolerance_sd, goal_ratio, default_window):
-    """The fastest variant at vanilla's quality, the goal, and auto against the fixed fractions."""
+    """The fastest variant at vanilla's quality (and those within the benches' spread of it), the goal,
+    and auto against the fixed fractions of its window."""
     vanilla = next(r for r in rows if r["variant"] == "vanilla")
     floor = vanilla["mean"] - tolerance_sd * vanilla["sd"]
     equal = [r for r in rows if r["mean"] >= floor]
     best = min(equal, key=lambda r: r["step_ratio"])
     out = dict(floor=floor, fastest_equal=best["variant"], fastest_equal_ratio=best["step_ratio"],
+               fastest_tied=[r["variant"] for r in equal if r is not best and not clearly_faster(best, r)],
                goal_ratio=goal_ratio, goal_met=best["step_ratio"] <= goal_ratio, auto={})
     fixed = [r for r in rows if r["variant"] not in ("vanilla", "endpoints") and "auto" not in r["variant"]]
     for auto in (r for r in rows if "auto" in r["variant"]):
@@ -147,7 +166,8 @@ def verdicts(rows, tolerance_sd, goal_ratio, default_window):
         same_w = [r for r in fixed if window_of(r["variant"], default_window) == w and r["mean"] >= floor]
         out["auto"][auto["variant"]] = dict(
             window=w, equal_quality=auto["mean"] >= floor,
-            beats_every_fixed=auto["mean"] >= floor and all(auto["step_ratio"] < r["step_ratio"] for r in same_w),
+            beats_every_fixed=auto["mean"] >= floor and all(clearly_faster(auto, r) for r in same_w),
+            slower_than=[r["variant"] for r in same_w if clearly_faster(r, auto)],
             fixed_compared=[r["variant"] for r in same_w])
     return out
 
@@ -158,22 +178,31 @@ def markdown(rows, verdict, metric, tolerance_sd):
              "backwards / step | routing auto chose (step: positions) | cos the monitor measured |", "|---|---|---|---|---|---|"]
     for r in rows:
         per_seed = " / ".join(f"{v:.3f}" for v in r["per_seed"].values())
-        lines.append(f"| {r['variant']} | {r['mean']:.3f} ± {r['sd']:.3f} ({per_seed}) | {r['step_ratio']:.2f} | "
+        ratio = f"{r['step_ratio']:.2f}" + (f" ± {r['step_spread']:.2f}" if r["step_spread"] else "")
+        lines.append(f"| {r['variant']} | {r['mean']:.3f} ± {r['sd']:.3f} ({per_seed}) | {ratio} | "
                      f"{r['backwards_per_step']:g} | {r['routing']} | {r['measured_cos']} |")
     v = verdict
     lines += ["", f"- Fastest within {tolerance_sd:g} seed-sd of vanilla ({metric} >= {v['floor']:.3f}): "
               f"**{v['fastest_equal']}**, {v['fastest_equal_ratio']:.2f} of vanilla's step time "
               f"({1 / v['fastest_equal_ratio']:.2f}x). Goal (ratio <= {v['goal_ratio']:.2f}): "
-              f"{'met' if v['goal_met'] else 'NOT met'}."]
+              f"{'met' if v['goal_met'] else 'NOT met'}."
+              + (f" Within the benches' spread of it: {', '.join(v['fastest_tied'])}." if v["fastest_tied"] else "")]
     for name, a in v["auto"].items():
-        if not a["equal_quality"]:
-            lines.append(f"- {name}: below vanilla's quality floor; not compared.")
-        elif not a["fixed_compared"]:
-            lines.append(f"- {name} (W {a['window']}): no fixed fraction of W {a['window']} at equal quality to compare.")
-        else:
-            lines.append(f"- {name} (W {a['window']}): {'faster than every' if a['beats_every_fixed'] else 'NOT faster than every'}"
-                         f" fixed fraction of W {a['window']} at equal quality ({', '.join(a['fixed_compared'])}).")
+        lines.append(f"- {name}" + ("" if not a["equal_quality"] else f" (W {a['window']})") + ": " + auto_verdict(a))
     return "\n".join(lines)
+
+
+def auto_verdict(a):
+    w, compared = a["window"], ", ".join(a["fixed_compared"])
+    if not a["equal_quality"]:
+        return "below vanilla's quality floor; not compared."
+    if not a["fixed_compared"]:
+        return f"no fixed fraction of W {w} at equal quality to compare."
+    if a["beats_every_fixed"]:
+        return f"faster than every fixed fraction of W {w} at equal quality, beyond the benches' spread ({compared})."
+    if a["slower_than"]:
+        return f"NOT faster: slower than {', '.join(a['slower_than'])} beyond the benches' spread."
+    return f"NOT faster than every fixed fraction of W {w} at equal quality: within the benches' spread of {compared}."
 
 
 def plot_pareto(path, panels, metric, title=None):
@@ -184,7 +213,8 @@ def plot_pareto(path, panels, metric, title=None):
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
     for ax, (family, rows) in zip(axes[0], panels):
         for i, r in enumerate(rows):
-            ax.errorbar([r["step_ratio"]], [r["mean"]], yerr=[r["sd"]], fmt="o", color=f"C{i % 10}", capsize=3,
+            ax.errorbar([r["step_ratio"]], [r["mean"]], yerr=[r["sd"]], xerr=[r["step_spread"]], fmt="o",
+                        color=f"C{i % 10}", capsize=3,
                         label=r["variant"])
         ax.set_xlabel("whole-step time / vanilla's (lower is faster)")
         ax.set_ylabel(f"{metric} at the last step (mean ± sd over seeds)")

@@ -40,9 +40,12 @@ def write_tree(root):
     return root
 
 
-def write_bench(path, mode, mode_numbers, vanilla_step=4.0):
+def write_bench(path, mode, mode_numbers, vanilla_step=4.0, reps=None):
+    bench = {"modes": {"vanilla": {"step_s": vanilla_step}, mode: mode_numbers}}
+    if reps:   # the timed update repetitions: {mode: [s, ...], "vanilla": [s, ...]}
+        bench["update_times_s"] = reps
     with open(path, "w") as f:
-        json.dump({"modes": {"vanilla": {"step_s": vanilla_step}, mode: mode_numbers}}, f)
+        json.dump(bench, f)
     return str(path)
 
 
@@ -77,8 +80,34 @@ def test_rows_ratios_and_routing(tree):
     assert verdict["floor"] == pytest.approx(0.85 - 0.0707107, rel=1e-5)
     assert verdict["fastest_equal"] == "jagg_auto" and not verdict["goal_met"]
     assert verdict["auto"]["jagg_auto"] == dict(window=4, equal_quality=True, beats_every_fixed=True,
-                                                fixed_compared=["jagg"])
+                                                slower_than=[], fixed_compared=["jagg"])
+    assert verdict["fastest_tied"] == [] and by["jagg"]["step_spread"] == 0.0   # no repetitions recorded
     assert "**jagg_auto**, 0.70 of vanilla's step time" in text and "NOT met" in text
+
+
+def timed(tmp_path, name, mode, numbers, mode_reps):
+    return write_bench(tmp_path / name, mode, numbers, reps={mode: mode_reps, "vanilla": [2.0, 2.2, 2.1]}), mode
+
+
+def test_a_step_counts_faster_only_beyond_both_benches_spread(tree, tmp_path):
+    """jagg 0.75 with spread (0.1 + 0.1) / 4 = 0.05; auto 0.70 with (0.22 + 0.1) / 4 = 0.08: the
+    intervals overlap, so auto neither beats jagg nor loses to it, and jagg ties the fastest."""
+    root, benches = tree
+    benches["jagg"] = timed(tmp_path, "j.json", "jagg_split_reuse", {"step_s": 3.0}, [1.0, 1.2, 1.1])
+    benches["jagg_auto"] = timed(tmp_path, "a.json", "jagg_split_reuse_auto", {"step_s": 3.6, "cadence_step_s": 2.8},
+                                 [1.0, 1.44, 1.2])
+    rows, verdict, text = tradeoff(str(root), benches)
+    by = {r["variant"]: r for r in rows}
+    assert by["jagg"]["step_spread"] == pytest.approx(0.05) and by["jagg_auto"]["step_spread"] == pytest.approx(0.08)
+    auto = verdict["auto"]["jagg_auto"]
+    assert not auto["beats_every_fixed"] and auto["slower_than"] == []
+    assert verdict["fastest_equal"] == "jagg_auto" and verdict["fastest_tied"] == ["jagg"]
+    assert "0.70 ± 0.08" in text and "within the benches' spread of jagg" in text
+    assert "Within the benches' spread of it: jagg." in text
+    # auto at 0.90 with a tight bench (spread 0.025) is slower than jagg beyond both spreads
+    benches["jagg_auto"] = timed(tmp_path, "a.json", "jagg_split_reuse_auto", {"step_s": 3.6}, [1.0, 1.0, 1.0])
+    _, verdict, text = tradeoff(str(root), benches)
+    assert verdict["auto"]["jagg_auto"]["slower_than"] == ["jagg"] and "slower than jagg beyond" in text
 
 
 def test_a_looser_goal_and_tolerance_change_the_verdicts(tree):
