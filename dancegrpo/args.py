@@ -8,6 +8,7 @@ import sys
 
 from . import presets
 from .utils.fsdp_util import SHARDING_STRATEGIES, WEIGHT_TYPES
+from .utils.precision import CHOICES as PRECISIONS, check_precision
 from .engines import add_engine_args, validate_engine_args
 from .algo.advantages import ADVANTAGES
 from .adapters.lora import add_lora_args, validate_lora_args
@@ -89,8 +90,11 @@ def build_parser(family, description=None):
                    help="Fraction p of transformer blocks recomputed with --gradient_checkpointing, spread "
                         "through the stack as upstream (p 0.5: every second block).")
     g.add_argument("--allow_tf32", action="store_true")
-    g.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
-                   help="bf16 autocast on GPU unless 'no'; CPU runs in float32.")
+    g.add_argument("--mixed_precision", choices=PRECISIONS, default=None,
+                   help="What the transformer computes in (rollout, update, JAGG's monitor, evaluation's decode). "
+                        "Default: bf16 autocast on GPU (upstream's recipes), float32 on CPU. bf16 on CPU: "
+                        "torch.autocast('cpu', bfloat16), a GPU's numerics class (bf16 matmuls, float32 "
+                        "accumulation); fp16: GPU only; no: float32. The banner says which a run computes in.")
     g.add_argument("--use_cpu_offload", action="store_true", help="FSDP parameter offload to CPU.")
     g.add_argument("--sp_size", type=int, default=1, help="Sequence parallelism: only 1 is supported.")
     g.add_argument("--train_sp_batch_size", type=int, default=1, help=NOOP)
@@ -102,8 +106,9 @@ def build_parser(family, description=None):
     g.add_argument("--weight_decay", type=float, default=0.01)
     g.add_argument("--master_weight_type", choices=WEIGHT_TYPES, default=None,
                    help="FSDP MixedPrecision dtype of parameters in forward/backward, gradient reduction "
-                        "and buffers (upstream's flag). Default: upstream's per model on GPU (Flux fp32 with "
-                        "bf16 autocast, Qwen-Image bf16); fp32 on CPU.")
+                        "and buffers (upstream's flag). Default: upstream's per model on GPU and on a CPU run "
+                        "with --mixed_precision bf16 (Flux fp32 with bf16 autocast, Qwen-Image bf16; gloo "
+                        "reduces bf16); fp32 on a float32 CPU run.")
 
     g = p.add_argument_group("GRPO")
     g.add_argument("--h", type=int, default=None, help="Image height (px, multiple of 16).")
@@ -264,6 +269,7 @@ def validate_args(args):
         raise ValueError("--sp_size > 1 (sequence parallelism) is not supported; use data parallel ranks")
     if args.output_dir is None:
         raise ValueError("--output_dir is required (metrics, reward.txt and checkpoints go there)")
+    check_precision(args.mixed_precision)
     if args.use_group and args.num_generations < 2:
         raise ValueError("--use_group needs --num_generations >= 2")
     validate_flow_grpo_args(args)

@@ -7,9 +7,10 @@ import torch
 
 from .adapters import build_adapter
 from .algo.grpo import num_train_timesteps
+from .algo.ratio_stats import RatioMeter
 from .algo.sde import model_timesteps, sigma_schedule
 from .engines import build_engine
-from .models.base import compute_autocast
+from .utils.precision import compute_autocast, describe_precision
 from .rewards import WeightedReward
 from .run.resume import tool_plan
 from .utils import checkpoint as ckpt
@@ -42,6 +43,7 @@ class TrainContext:
     engine: object = None             # a dancegrpo.engines.Engine: the loop's only way to step
     step: int = 0
     activation_meter: ActivationMeter = field(default_factory=ActivationMeter)
+    ratio_meter: RatioMeter = field(default_factory=RatioMeter)   # the step's PPO ratio statistics
     resumed_update_state: object = None   # what the resumed checkpoint saved of the policy update
     resumed_from: str = None          # the checkpoint folder the run resumed from
     dataset: object = None            # the prompt-embedding dataset (the sample grids' prompts)
@@ -117,7 +119,7 @@ def describe(ctx):
     n_train = args.sde_window_size or num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
     adapter = ctx.adapter.describe(args, ctx.num_trainable)
     return (f"{ctx.family.name}: {n_params / 1e6:.2f}M params | {ctx.world_size} rank(s){ctx.engine.label()} on "
-            f"{ctx.device}{adapter} | "
+            f"{ctx.device}{adapter} | computes in {describe_precision(ctx.device, args.mixed_precision)} | "
             f"{samples} samples/rank/step, S={args.sampling_steps}, {n_train} trained transitions/sample, "
             f"GA={args.gradient_accumulation_steps} | seed {ctx.seed}"
             + (f" | resumed from {ctx.resumed_from} at step {ctx.step}" if ctx.resumed_from else "")

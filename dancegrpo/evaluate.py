@@ -47,7 +47,7 @@ from .algo.sde import model_timesteps, sigma_schedule
 from .errors import ConfigError, NonFiniteError
 from .eval_report import (earlier_summaries, merged_summaries, nonfinite_summary, table_header, table_row,
                           write_comparison)
-from .models.base import compute_autocast
+from .utils.precision import CHOICES as PRECISIONS, check_precision, compute_autocast
 from .models.checkpoints import load_transformer, load_vae, precheck_checkpoint
 from .models.registry import family_class, family_names
 from .run.finite import nonfinite_parameters
@@ -87,8 +87,9 @@ def build_parser():
     p.add_argument("--shift", type=float, default=None, help="Time shift (default 3 or the preset's).")
     p.add_argument("--guidance", type=float, default=3.5, help="Distilled guidance (Flux-dev).")
     p.add_argument("--sde", action="store_true", help="Sample with the SDE (noise --eta) instead of the ODE.")
-    p.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default="bf16",
-                   help="The transformer's autocast on GPU, as the trainer's flag; CPU runs in float32.")
+    p.add_argument("--mixed_precision", choices=PRECISIONS, default=None,
+                   help="What the transformer computes in, as the trainer's flag: default bf16 autocast on GPU, "
+                        "float32 on CPU; bf16 on CPU runs CPU autocast (and decodes under it).")
     p.add_argument("--eta", type=float, default=None, help="SDE noise level (with --sde).")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=4, help="Images per transformer call and reward call.")
@@ -140,6 +141,10 @@ def finish_args(args):
     for name in ("sampling_steps", "num_images_per_prompt", "batch_size", "grid_max_prompts", "grid_tile"):
         if getattr(args, name) < 1:
             raise EvalError(f"--{name} must be >= 1")
+    try:
+        check_precision(args.mixed_precision, None if args.device is None else args.device.startswith("cuda"))
+    except ValueError as e:
+        raise EvalError(str(e)) from None
     if args.sde and args.eta <= 0:
         raise EvalError("--sde needs --eta > 0 (upstream trains with 0.3)")
     if args.max_prompts is not None and args.max_prompts < 1:

@@ -132,6 +132,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
     ctx.optimizer.zero_grad(set_to_none=True)  # upstream's Qwen trainer leaked leftovers into the next step
     ctx.counter.reset()
     ctx.activation_meter.reset()
+    ctx.ratio_meter.reset()
     cuda_peak_reset(ctx.device)
     prepared = prepare_update(ctx, select_train_steps, keep_outputs=wants_rollout_outputs(policy_update))
     t_rollout = time.time()
@@ -155,6 +156,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         "world_size": ctx.world_size,
         # The largest rank's peak of tensors saved for backward during the update.
         "activation_peak_mb": all_reduce_max(ctx.activation_meter.peak_mb, ctx.device),
+        **ctx.ratio_meter.summary(ctx.device),   # ratio mean / min / max, clip_frac, approx_kl
         **stats.metrics,   # what a patched update measured beside the step (jagg_patch's monitor)
     }
     cuda_mb = cuda_peak_mb(ctx.device)

@@ -4,7 +4,10 @@ import argparse
 import importlib
 import sys
 
+import torch
+
 from dancegrpo.utils.communications import launch_world_size, print_on_rank0
+from dancegrpo.utils.precision import bytes_per_output
 
 from .config import JaggConfig
 from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
@@ -145,6 +148,10 @@ def monitor_for_auto(args):
 def check_trajectory(args):
     """The checks that need the trainer's geometry, before any model is loaded."""
     monitor_for_auto(args)
+    per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
+    if args.jagg_monitor_every and args.jagg_monitor_samples > per_rank:
+        fail(f"--jagg_monitor_samples {args.jagg_monitor_samples} exceeds the {per_rank} samples a rank trains per "
+             "step (--train_batch_size x --num_generations): the measurement would never be complete; lower it")
     if args.jagg_monitor_every and args.jagg_grouping == "window" and launch_world_size() > 1:
         fail("--jagg_monitor_every with --jagg_grouping window on several ranks: the ranks' samples train "
              "different windows, so their measuring passes would not line up; use --jagg_grouping trained")
@@ -210,10 +217,22 @@ def auto_text(args):
             f"{args.jagg_min_cos} (measured at step 1 and every {args.jagg_monitor_every} steps); all exact until then"]
 
 
+def image_output_bytes(args, element_bytes):
+    """Bytes per sample of the kept rollout outputs of an image model: S outputs of (h/16)(w/16) tokens
+    x 64 features (both families pack 16 latent channels in 2x2 patches)."""
+    return args.sampling_steps * (args.h // 16) * (args.w // 16) * 64 * element_bytes
+
+
 def rollout_output_bytes(args):
-    """Bytes per sample of the kept rollout outputs in float32: S outputs of (h/16)(w/16) tokens x 64
-    features (both families pack 16 latent channels in 2x2 patches); bf16 outputs take half."""
-    return args.sampling_steps * (args.h // 16) * (args.w // 16) * 64 * 4
+    """This project's trainers keep their outputs as the model computed them: bf16 under autocast
+    (--mixed_precision; a GPU's default), float32 otherwise."""
+    return image_output_bytes(args, bytes_per_output(torch.cuda.is_available(), args.mixed_precision))
+
+
+def upstream_output_bytes(args):
+    """Upstream's grpo_one_step computes under CUDA bf16 autocast (float32 on a CPU-only machine),
+    whatever its flags say."""
+    return image_output_bytes(args, bytes_per_output(torch.cuda.is_available()))
 
 
 def reuse_plan_text(args, middles_per_sample, output_bytes=rollout_output_bytes):
@@ -224,8 +243,9 @@ def reuse_plan_text(args, middles_per_sample, output_bytes=rollout_output_bytes)
     reused = per_rank if args.jagg_reuse_rollout == "always" else min(args.gradient_accumulation_steps, per_rank)
     size = output_bytes(args)
     kept = ("keeps S model outputs per sample (their size is the model's output, not set by the flags alone)"
-            if size is None else f"keeps {size / 2 ** 20:.2f} MiB per sample in float32, "
-                                 f"{size / 2 ** 20 * per_rank:.1f} MiB per rank at {args.h}x{args.w}")
+            if size is None else f"keeps {size / 2 ** 20:.2f} MiB per sample, "
+                                 f"{size / 2 ** 20 * per_rank:.1f} MiB per rank at {args.h}x{args.w} (the outputs "
+                                 "as the model computes them: bf16 under autocast)")
     return (f"  rollout reuse {args.jagg_reuse_rollout}: {middles_per_sample:g} no-grad forwards per sample taken "
             f"from the rollout for {reused} of the {per_rank} samples per rank (GA "
             f"{args.gradient_accumulation_steps}{'; after the first optimizer step the outputs are stale' if args.jagg_reuse_rollout == 'always' and reused > args.gradient_accumulation_steps else ''}), "

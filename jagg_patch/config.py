@@ -42,6 +42,9 @@ class JaggConfig:
         if self.jagg_frac == AUTO and not self.monitor_every:
             raise ValueError("jagg_frac 'auto' routes by the monitor's cosines: give monitor_every N > 0 "
                              "(--jagg_monitor_every)")
+        if self.jagg_frac == AUTO and self.monitor_samples < 2:
+            raise ValueError("jagg_frac 'auto' routes by a confidence bound on the monitor's cosines, which needs "
+                             "their spread: give monitor_samples >= 2 (--jagg_monitor_samples)")
 
     @property
     def auto(self):

@@ -88,6 +88,18 @@ def _broadcast_alpha(alpha_j, like):
     return alpha_j.to(device=like.device, dtype=like.dtype)
 
 
+def _fold(weights, upstream, end):
+    """s_base (end 0) or s_corr (end 1): the weighted sum of the upstream gradients known so far.
+
+    The sum is taken in float32 at least and rounded once to the gradients' own dtype: under bf16
+    autocast s_j is bf16 (the model output's dtype, as upstream's flux_step gives it, and what vanilla
+    backpropagates), and a bf16 fold would round alpha and every partial sum to 8 bits as well."""
+    first = next(iter(upstream.values()))
+    wide = first.dtype if first.dtype in (torch.float32, torch.float64) else torch.float32
+    total = sum(_broadcast_alpha(weights[j][end], s.to(wide)) * s.to(wide) for j, s in upstream.items())
+    return total.to(first.dtype)
+
+
 def _exact_group(predict, step_loss, width, run_backward):
     result = GroupResult()
     for j in range(width):
@@ -163,8 +175,8 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
         result.loss += loss.item()
         return v
 
-    def signal(end):  # s_base (end 0) or s_corr (end 1) from the upstream gradients known so far
-        return sum(_broadcast_alpha(weights[j][end], s) * s for j, s in upstream.items())
+    def signal(end):
+        return _fold(weights, upstream, end)
 
     if backward == "batched":
         if predict_pair is None:

@@ -1,8 +1,10 @@
 """The live fidelity monitor (--jagg_monitor_every N): at step 1 and every N training steps, on the
-first --jagg_monitor_samples samples of the step's first micro-batch, the exact gradient of every
+step's first --jagg_monitor_samples samples (those of its first micro-batches), the exact gradient of every
 group position next to JAGG's and the endpoints ablation's. Logged per position with the step:
 jagg_cos/gP, jagg_relerr/gP, endpoints_cos/gP, endpoints_relerr/gP (the mean over the monitored
-samples), with monitor_time_s; the passes are counted apart (monitor_forwards, monitor_backwards).
+samples), JAGG's cosine's spread over them (jagg_cos_sd/gP, jagg_cos_n/gP: what the auto routing's
+confidence bound is made of), with monitor_time_s; the passes are counted apart (monitor_forwards,
+monitor_backwards).
 
 A position is the group's index: along each sample's trained transitions in denoising order
 (grouping trained) or along the trajectory (grouping window: the window's index).
@@ -38,43 +40,71 @@ def _probe_of(batch):
     return GradProbe(batch.parameters())
 
 
+def spread(values):
+    """Per position, the spread of JAGG's cosine over the measured samples, for the routing's
+    confidence bound (jagg_patch.routing): jagg_cos_sd/gP, the sample standard deviation (0 for one
+    sample), and jagg_cos_n/gP, the samples it is over (those with a gradient to compare)."""
+    out = {}
+    for name, cosines in values.items():
+        if not name.startswith("jagg_cos/"):
+            continue
+        position = name[len("jagg_cos/"):]
+        n = len(cosines)
+        mean = sum(cosines) / n
+        out[f"jagg_cos_sd/{position}"] = (sum((c - mean) ** 2 for c in cosines) / (n - 1)) ** 0.5 if n > 1 else 0.0
+        out[f"jagg_cos_n/{position}"] = n
+    return out
+
+
 class Monitor:
     """Measures JAGG's fidelity beside the run's own update."""
 
     def __init__(self, every, samples=2, alpha="timestep", backward="split"):
         # every >= 0 and samples >= 1: checked where the settings are made (jagg_patch.config.JaggConfig)
         self.every, self.samples, self.alpha, self.backward = every, samples, alpha, backward
-        self._last_step = None
+        self._step, self._taken, self._values, self._seconds = None, 0, defaultdict(list), 0.0
 
     def due(self, batch):
-        """The first micro-batch of step 1 and of every `every`-th step."""
-        if not self.every or batch.step == self._last_step:
+        """Whether this micro-batch is measured: in step 1 and every `every`-th step, the first
+        micro-batches until `samples` samples are measured (one micro-batch when it holds them all; a
+        micro-batch of one sample, as upstream's, measures the step's first `samples` samples)."""
+        if not self.every:
             return False
-        return batch.step == 1 or batch.step % self.every == 0
+        if batch.step != self._step:
+            self._step, self._values, self._seconds = batch.step, defaultdict(list), 0.0
+            measured_step = batch.step == 1 or batch.step % self.every == 0
+            self._taken = 0 if measured_step else self.samples
+        return self._taken < self.samples
 
     def measure(self, batch, groups, group_backward):
-        """The metrics of one measurement; groups(sub) yields (position, sub-batch, cols [m, w]) of a
-        one-sample batch, every group (routing plays no part); group_backward is the update's own
-        (jagg_patch.update.group_backward), so the monitor measures the passes the update runs."""
-        self._last_step = batch.step
+        """The metrics of the measurement so far in this step (means over every sample measured in
+        it), and whether it is complete (`samples` samples measured): (metrics, complete). groups(sub)
+        yields (position, sub-batch, cols [m, w]) of a one-sample batch, every group (routing plays no
+        part); group_backward is the update's own (jagg_patch.update.group_backward), so the monitor
+        measures the passes the update runs."""
         start = time.perf_counter()
-        values = defaultdict(list)
+        rows = min(self.samples - self._taken, batch.steps.shape[0])
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with _probe_of(batch) as probe, torch.random.fork_rng(devices=devices), batch.counted_apart():
-            for row in range(min(self.samples, batch.steps.shape[0])):
+            for row in range(rows):
                 one = batch.subset(torch.tensor([row], device=batch.steps.device))
                 for position, sub, cols in groups(one):
                     if cols.shape[1] >= 2:
-                        self._measure_group(probe, sub, cols, position, values, group_backward)
+                        self._measure_group(probe, sub, cols, position, self._values, group_backward)
+        self._taken += rows
+        self._seconds += time.perf_counter() - start
+        values = self._values
         metrics = {name: sum(v) / len(v) for name, v in sorted(values.items())}
-        metrics["monitor_time_s"] = time.perf_counter() - start
-        if not values:
+        metrics.update(spread(values))
+        metrics["monitor_time_s"] = self._seconds
+        complete = self._taken >= self.samples
+        if complete and not values:
             # Every monitored sample's gradient was zero (the same on every rank: summed over them).
             metrics["monitor_skipped"] = 1
             print_on_rank0(f"step {batch.step}: the JAGG monitor measured nothing: the gradient of its samples is "
                            "zero (advantage 0: every reward of their group alike), so there is no direction to "
                            "compare; --jagg_frac auto keeps its routing until the next measurement")
-        return metrics
+        return metrics, complete
 
     def _measure_group(self, probe, sub, cols, position, values, group_backward):
         def gradient(mode):

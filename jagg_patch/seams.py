@@ -29,7 +29,7 @@ UPDATE_STATS_FIELDS = ("loss", "backward_calls", "jagg_groups", "exact_groups", 
 TRAIN_SELECTION_FIELDS = ("steps", "num_train")
 # Fields of dancegrpo.build.TrainContext (the trainer's state) that the tools read.
 TRAIN_CONTEXT_FIELDS = ("args", "family", "transformer", "raw_transformer", "device", "counter", "timesteps", "step",
-                        "world_size", "engine", "num_params")
+                        "world_size", "engine", "num_params", "ratio_meter")
 # Everything else of dancegrpo that jagg_patch, its launchers and its tools use (tests check that
 # nothing outside this list is imported): (module, name, its parameter names, or None for a class or
 # constant). The tools prepare their update as the loop does, through trainer.prepare_update.
@@ -40,6 +40,8 @@ DANCEGRPO_USES = (
     ("dancegrpo.utils.communications", "launch_rank", ()),
     ("dancegrpo.utils.communications", "launch_world_size", ()),
     ("dancegrpo.utils.communications", "print_on_rank0", ("message", "file")),
+    ("dancegrpo.utils.precision", "bytes_per_output", ("gpu", "mixed_precision")),
+    ("dancegrpo.utils.precision", "describe_precision", ("device", "mixed_precision")),
     ("dancegrpo.errors", "ConfigError", None),
     ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
     ("dancegrpo.engines.probe", "GradProbe", ("params",)),
@@ -51,6 +53,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.algo.grpo", "ppo_clip_loss", ("log_prob", "old_log_prob", "advantages", "clip_range", "adv_clip_max")),
     ("dancegrpo.algo.grpo", "select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
     ("dancegrpo.algo.grpo", "wants_rollout_outputs", ("update",)),
+    ("dancegrpo.algo.ratio_stats", "RatioMeter", None),
     ("dancegrpo.utils.activation_meter", "ActivationMeter", None),
     ("dancegrpo.utils.metrics", "PassCounter", None),
     ("dancegrpo.utils.metrics", "first_tensor", ("output",)),
@@ -63,6 +66,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.utils.plots", "save_figure", ("fig", "path", "title")),
     ("dancegrpo.build", "TrainContext", None),
     ("dancegrpo.trainer", "PreparedUpdate", None),
+    ("dancegrpo.trainer", "Rollout", None),
     ("dancegrpo.trainer", "accumulate_policy_gradient", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",
                                                          "normaliser", "policy_update", "on_policy")),
     ("dancegrpo.trainer", "make_update_batch", ("ctx", "rollout", "cond", "advantages", "sample_idx", "steps",

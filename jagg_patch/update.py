@@ -104,8 +104,9 @@ def make_policy_update(config=None, **settings):
     def policy_update(batch):
         stats = UpdateStats()
         if monitor is not None and monitor.due(batch):   # before the update: its gradient stays the run's own
-            stats.metrics.update(monitor.measure(batch, every_group, group_backward))
-            if routing is not None and routing.update(stats.metrics):
+            measured, complete = monitor.measure(batch, every_group, group_backward)
+            stats.metrics.update(measured)
+            if complete and routing is not None and routing.update(measured):
                 print_on_rank0(f"step {batch.step}: {routing.describe()}")
         if routing is not None:
             stats.metrics["jagg_routed"] = sum(1 << p for p in routing.routed)   # bit p: position p runs JAGG

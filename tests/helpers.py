@@ -77,14 +77,19 @@ def reference_velocity(model, z, t, cond, h, w):
     return out.sample
 
 
-def reference_step_loss(v, rollout, b, k, adv, sigmas, args):
-    """The PPO-clip loss of sample b's transition k given its velocity v, as upstream writes it."""
+def reference_log_prob(v, rollout, b, k, sigmas, args):
+    """log p of sample b's stored transition k given its velocity v, as upstream's flux_step writes it."""
     s, s_next = float(sigmas[k]), float(sigmas[k + 1])
     z, z_next = rollout.latents[b:b + 1, k], rollout.latents[b:b + 1, k + 1]
     x0 = z - s * v
     mean = z + (s_next - s) * (v + 0.5 * args.eta ** 2 * (z - (1 - s) * x0) / s ** 2)
     std = args.eta * math.sqrt(s - s_next)
-    logp = torch.distributions.Normal(mean, std).log_prob(z_next).mean()
+    return torch.distributions.Normal(mean, std).log_prob(z_next).mean()
+
+
+def reference_step_loss(v, rollout, b, k, adv, sigmas, args):
+    """The PPO-clip loss of sample b's transition k given its velocity v, as upstream writes it."""
+    logp = reference_log_prob(v, rollout, b, k, sigmas, args)
     ratio = torch.exp(logp - rollout.log_probs[b, k])
     a = adv[b].clamp(-args.adv_clip_max, args.adv_clip_max)
     return torch.maximum(-a * ratio, -a * ratio.clamp(1 - args.clip_range, 1 + args.clip_range))

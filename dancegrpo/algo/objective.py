@@ -36,6 +36,14 @@ def grpo_one_step(ctx, rollout, cond, sample_idx, index):
     return transition_log_prob(ctx, v, z, rollout.latents[sample_idx, index + 1], index)
 
 
+@contextlib.contextmanager
+def measured_apart(ctx):
+    """A measurement beside the update (JAGG's monitor): its transformer passes and its ratios are
+    kept out of the step's own counts and statistics."""
+    with ctx.counter.apart() if ctx.counter is not None else contextlib.nullcontext(), ctx.ratio_meter.apart():
+        yield
+
+
 def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normaliser, on_policy=False):
     """Closures over one micro-batch: what `policy_update` works with. on_policy: no optimizer
     step since the rollout (see UpdateBatch)."""
@@ -53,8 +61,10 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
 
     def step_loss(k, v):
         log_prob = transition_log_prob(ctx, v, rollout.latents[sample_idx, k], rollout.latents[sample_idx, k + 1], k)
-        per_sample = ppo_clip_loss(log_prob, rollout.log_probs[sample_idx, k], advantages[sample_idx],
-                                   args.clip_range, args.adv_clip_max)
+        old_log_prob = rollout.log_probs[sample_idx, k]
+        ctx.ratio_meter.record(log_prob, old_log_prob, args.clip_range, sample_idx, k)
+        per_sample = ppo_clip_loss(log_prob, old_log_prob, advantages[sample_idx], args.clip_range,
+                                   args.adv_clip_max)
         if args.kl_beta > 0:
             per_sample = per_sample + args.kl_beta * kl_to_reference(ctx, v, rollout.latents[sample_idx, k], k, cond_m)
         # Upstream averages over a batch of one and divides by GA * train_timesteps;
@@ -73,7 +83,7 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
                        rollout_output=rollout_output if rollout.outputs is not None else None, on_policy=on_policy,
                        predict_batched=predict_batched, step=ctx.step,
                        parameters=lambda: [p for p in ctx.transformer.parameters() if p.requires_grad],
-                       counted_apart=ctx.counter.apart if ctx.counter is not None else contextlib.nullcontext,
+                       counted_apart=lambda: measured_apart(ctx),
                        gradient_probe=ctx.engine.gradient_probe)
 
 

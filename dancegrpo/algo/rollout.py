@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.base import compute_autocast
+from ..utils.precision import compute_autocast
 from .sampling import denoise, ode, sde, windowed
 
 
@@ -35,7 +35,7 @@ def step_generators(ctx, step):
 
 
 def predict_velocity(ctx, latents, timesteps, cond):
-    """The policy's output under --mixed_precision's autocast (models.base.compute_autocast; under
+    """The policy's output under --mixed_precision's autocast (utils.precision.compute_autocast; under
     FSDP with bf16 MixedPrecision, Qwen-Image on GPU, the parameters are bf16 as well)."""
     with compute_autocast(ctx.device, ctx.args.mixed_precision):
         return ctx.family.predict(ctx.transformer, latents, timesteps, cond)

@@ -11,8 +11,8 @@ The optimizer is a client torch AdamW (nothing of DeepSpeed's is compiled for it
 `zero_allow_untested_optimizer` is set). Each backward is its own micro step of the engine
 (train_micro_batch_size_per_gpu 1, gradient_accumulation_steps 1, no loss scaling by GA); the
 trainer decides when to step: after every --gradient_accumulation_steps samples, upstream's
-cadence. Gradients are averaged over ranks, as FSDP does. On CPU bf16 / fp16 in the config are
-turned off (CPU runs are fp32). Checkpoints: the engine's own sharded state in
+cadence. Gradients are averaged over ranks, as FSDP does. On CPU fp16 in the config is turned off,
+and bf16 too unless the run computes in bf16 (--mixed_precision bf16). Checkpoints: the engine's own sharded state in
 checkpoint-*/deepspeed/ for resume, plus the same diffusers transformer/ (or LoRA) files as FSDP.
 """
 import contextlib
@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError
 from ..utils.fsdp_util import apply_activation_checkpointing
+from ..utils.precision import compute_dtype
 from .base import Engine, build_optimizer
 
 TAG = "deepspeed"  # the sub-folder of a checkpoint-STEP-EPOCH folder that holds the engine's state
@@ -63,8 +64,11 @@ def engine_config(settings, args, device):
     config["gradient_clipping"] = float(args.max_grad_norm) if args.max_grad_norm else 0.0
     config.pop("train_batch_size", None)
     if device.type != "cuda":
-        for key in ("bf16", "fp16"):
-            config[key] = {"enabled": False}
+        # CPU: no fp16 (no loss scaling here); the config's bf16 only where the run computes in bf16
+        # (--mixed_precision bf16), else a float32 run.
+        config["fp16"] = {"enabled": False}
+        if compute_dtype(device, args.mixed_precision) != torch.bfloat16:
+            config["bf16"] = {"enabled": False}
     return config
 
 
@@ -138,7 +142,7 @@ class DeepSpeedEngine(Engine):
             os.environ.pop(key, None)
 
     def label(self):
-        return f" (DeepSpeed ZeRO-{self.stage})"
+        return f" (DeepSpeed ZeRO-{self.stage} {self.weight_type})"
 
     def state_setup(self, adapter):
         return f"zero{self.stage}"

@@ -61,8 +61,8 @@ class FSDPEngine(Engine):
 
     @classmethod
     def build(cls, args, family, raw, device, world_size):
-        weight_type = (resolve_weight_type(args.master_weight_type, family.gpu_fsdp_weight_type, device)
-                       if world_size > 1 else "fp32")
+        weight_type = (resolve_weight_type(args.master_weight_type, family.gpu_fsdp_weight_type, device,
+                                           args.mixed_precision) if world_size > 1 else "fp32")
         model = prepare_transformer(args, family, raw, device, world_size, weight_type)
         optimizer, scheduler = build_optimizer(args, model)
         return cls(model, optimizer, scheduler, args.max_grad_norm, sharded=world_size > 1, weight_type=weight_type)

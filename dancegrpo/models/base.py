@@ -5,6 +5,7 @@ import numpy as np
 import torch
 from PIL import Image
 from ..errors import ConfigError, MissingFileError
+from ..utils.precision import decode_context  # noqa: F401 (the families decode through it)
 
 
 def pack_latents(latents, batch_size, num_channels_latents, height, width):
@@ -52,27 +53,6 @@ def wants_tiled_decode(device, height, width):
     """Upstream decodes with the VAE's tiling on at its 720 px (GPU memory); CPU runs and small
     images decode whole."""
     return torch.device(device).type == "cuda" and max(height, width) >= TILED_DECODE_MIN_PX
-
-
-def compute_autocast(device, mixed_precision="bf16"):
-    """The transformer's compute precision, for training and evaluation alike: bf16 (or fp16)
-    autocast on GPU, as upstream, unless mixed_precision is "no"; CPU runs stay float32 (bf16
-    gives no speedup there)."""
-    import contextlib
-    if torch.device(device).type == "cuda" and mixed_precision != "no":
-        dtype = torch.float16 if mixed_precision == "fp16" else torch.bfloat16
-        return torch.autocast("cuda", dtype=dtype)
-    return contextlib.nullcontext()
-
-
-def decode_context(device):
-    """No grad, and bf16 autocast on GPU as upstream decodes; CPU stays float32."""
-    import contextlib
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.inference_mode())
-    if torch.device(device).type == "cuda":
-        stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
-    return stack
 
 
 def require_model_folder(path, subfolders, preset_hint):
@@ -141,6 +121,8 @@ class ModelFamily:
 
     def __init__(self, args):
         self.height, self.width = args.h, args.w
+        # The decode's precision follows the run's (dancegrpo.utils.precision.decode_context).
+        self.mixed_precision = getattr(args, "mixed_precision", None)
 
     # diffusers classes of the transformer and the VAE, loaded from <folder>/transformer and <folder>/vae.
     transformer_class_name = ""

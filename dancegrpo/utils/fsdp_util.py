@@ -15,12 +15,15 @@ SHARDING_STRATEGIES = ("full", "hybrid_full", "hybrid_zero2", "none")
 WEIGHT_TYPES = ("fp32", "bf16")
 
 
-def resolve_weight_type(requested, family_gpu_default, device):
-    """--master_weight_type, or the family's upstream choice on GPU; CPU runs stay fp32
-    (bf16 gives no speedup there)."""
+def resolve_weight_type(requested, family_gpu_default, device, mixed_precision=None):
+    """--master_weight_type, or the family's upstream choice where the run computes in reduced
+    precision (GPU, or CPU with --mixed_precision bf16: gloo reduces bf16 too); a float32 CPU run
+    stays fp32."""
+    from .precision import compute_dtype
     if requested:
         return requested
-    return family_gpu_default if torch.device(device).type == "cuda" else "fp32"
+    reduced = torch.device(device).type == "cuda" or compute_dtype(device, mixed_precision) is not None
+    return family_gpu_default if reduced else "fp32"
 
 
 def fsdp_mixed_precision(weight_type):

@@ -53,6 +53,7 @@ import time
 import torch
 
 from dancegrpo.utils.communications import launch_rank
+from dancegrpo.utils.precision import describe_precision
 
 from ..cli import AUTO_MONITOR_EVERY, check_trajectory, trainer_cli
 from .comm_count import count_fsdp_collectives
@@ -250,7 +251,7 @@ def run_benchmark(module, args):
             stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, advantages, all_idx[block:block + ga],
                                                        sel.steps.to(ctx.device), ga * sel.num_train, updates[mode],
                                                        on_policy=block == 0)
-            monitor_s += stats.metrics.get("monitor_time_s", 0.0)
+            monitor_s = max(monitor_s, stats.metrics.get("monitor_time_s", 0.0))   # the step's total so far
         return monitor_s
 
     vanilla_steps = selections["vanilla"].steps.to(ctx.device)
@@ -297,6 +298,8 @@ def run_benchmark(module, args):
     targets, paper_step_gain = _targets(args, family)
     result = dict(
         family=family, num_params=ctx.num_params, device=str(ctx.device), torch=torch.__version__,
+        precision=describe_precision(ctx.device, args.mixed_precision),
+        checkpointing=args.selective_checkpointing if args.gradient_checkpointing else 0.0,
         threads=torch.get_num_threads(), world_size=ctx.world_size, sampling_steps=args.sampling_steps,
         timestep_fraction=args.timestep_fraction, samples=num_samples, update_batch_size=args.update_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -410,13 +413,20 @@ def _auto_lines(r):
     return lines
 
 
+def _checkpointing_text(fraction):
+    if not fraction:
+        return "no gradient checkpointing"
+    return "gradient checkpointing" + ("" if fraction == 1 else f" of {fraction:g} of the blocks")
+
+
 def format_report(r):
     u = r["unit_costs_s"]
     plan = ", ".join(f"{g['size']}{'J' if g['jagg'] else 'E'}" for g in r["plan"])
     counts = sorted(set(r["jagg_train_transitions"]))
     lines = [
         f"## Update-phase micro-benchmark: {r['family']} ({r['num_params'] / 1e6:.1f}M params, {r['device']}, "
-        f"torch {r['torch']}, {r['threads']} threads, {r['world_size']} rank(s))",
+        f"torch {r['torch']}, {r['threads']} threads, {r['world_size']} rank(s), {r.get('precision', 'float32')}, "
+        f"{_checkpointing_text(r.get('checkpointing', 0.0))})",
         "",
         f"S={r['sampling_steps']}, timestep_fraction {r['timestep_fraction']} -> vanilla trains "
         f"{r['train_transitions']} transitions/sample, the JAGG modes {'/'.join(map(str, counts))}; "
@@ -427,7 +437,8 @@ def format_report(r):
         "",
         f"Unit costs per micro-batch: F_grad {u['f_grad'] * 1e3:.1f} ms, F_nograd {u['f_nograd'] * 1e3:.1f} ms, "
         f"B {u['backward'] * 1e3:.1f} ms, joint B of 2 graphs {u['joint_backward_2'] * 1e3:.1f} ms "
-        f"({u['joint_backward_2'] / u['backward']:.2f} B). Rollout {r['rollout_s']:.3f} s.",
+        f"({u['joint_backward_2'] / u['backward']:.2f} B); B = {u['backward'] / u['f_grad']:.2f} F_grad "
+        f"(gradient checkpointing adds the recompute of a forward). Rollout {r['rollout_s']:.3f} s.",
         "",
         "| mode | update s | predicted s | authors' schedule s | update speedup | ratio | step s (rollout + update) "
         "| step speedup | activation peak MB |",

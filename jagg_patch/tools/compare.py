@@ -19,6 +19,9 @@ Printed, one row per run:
 - transformer forwards with grad, without grad, and backwards per step (median);
 - final and best moving-average reward: trailing mean over --ma_window steps (min(window, steps)
   when the run is shorter); "best" is the maximum over the positions with a full window;
+- the PPO statistics GRPO runs are compared by (dancegrpo.algo.ratio_stats, logged by this trainer
+  and by jagg_patch.upstream): clip_frac and approx_kl averaged over the steps, and the range of the
+  ratio over every step (n/a for a run that logged none, e.g. a reward file);
 - speedup vs the first run: 1 - t / t_first of the median step time and of the median update time
   (the paper's "gain": 279 s -> 228 s is 18.3%), and the ratio t_first / t.
 
@@ -137,6 +140,23 @@ def _median(records, field):
     return statistics.median(values) if values else float("nan")
 
 
+def _mean(records, field):
+    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def _extreme(records, field, pick):
+    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
+    return pick(values) if values else float("nan")
+
+
+def ratio_statistics(records):
+    """The PPO statistics over the run (dancegrpo.algo.ratio_stats; NaN where a run logged none):
+    clip_frac and approx_kl as the mean over steps, the ratio's range over every step."""
+    return dict(clip_frac=_mean(records, "clip_frac"), approx_kl=_mean(records, "approx_kl"),
+                ratio_min=_extreme(records, "ratio_min", min), ratio_max=_extreme(records, "ratio_max", max))
+
+
 def nonfinite_steps(records):
     """{field: [steps]} where a reward, loss or grad norm was NaN/inf."""
     found = {}
@@ -162,6 +182,7 @@ def summarize(label, records, ma_window=10, skip_first=1):
                update_time_s=_median(timed, "update_time_s"),
                activation_peak_mb=_median(records, "activation_peak_mb"),
                **{f.replace("transformer_", "") + "_per_step": _median(records, f) for f in COUNT_FIELDS},
+               **ratio_statistics(records),
                first_reward=rewards[0] if rewards else float("nan"),
                final_ma_reward=ma[-1] if ma else float("nan"),
                best_ma_reward=max(full) if full else float("nan"),
@@ -226,7 +247,8 @@ def _count(x):
 
 
 COLUMNS = ["run", "steps", "step s", "rollout s", "update s", "fwd grad/step", "fwd no-grad/step", "bwd/step",
-           "activation peak MB", "final MA reward", "best MA reward", "step speedup", "update speedup"]
+           "activation peak MB", "final MA reward", "best MA reward", "clip frac", "approx KL", "ratio range",
+           "step speedup", "update speedup"]
 
 
 def table_cells(row):
@@ -234,7 +256,8 @@ def table_cells(row):
             _fmt(row["update_time_s"], ".3f"), _count(row["forwards_grad_per_step"]),
             _count(row["forwards_nograd_per_step"]), _count(row["backwards_per_step"]),
             _fmt(row["activation_peak_mb"], ".1f"), _fmt(row["final_ma_reward"], ".4f"),
-            _fmt(row["best_ma_reward"], ".4f"),
+            _fmt(row["best_ma_reward"], ".4f"), _fmt(row["clip_frac"], ".3f"), _fmt(row["approx_kl"], ".2e"),
+            "n/a" if math.isnan(row["ratio_min"]) else f"[{row['ratio_min']:.4f}, {row['ratio_max']:.4f}]",
             _fmt(100 * row["step_speedup"], "+.1f") + "% (" + _fmt(row["step_speedup_ratio"], ".2f") + "x)",
             _fmt(100 * row["update_speedup"], "+.1f") + "% (" + _fmt(row["update_speedup_ratio"], ".2f") + "x)"]
 
@@ -245,7 +268,9 @@ def markdown_table(rows):
     ma = rows[0]["ma_window"] if rows else 0
     lines.append("")
     lines.append(f"Times: medians over the steps after the warm-up; speedup = 1 - t / t({rows[0]['label']}) "
-                 f"(ratio in brackets); MA = trailing mean over {ma} steps.")
+                 f"(ratio in brackets); MA = trailing mean over {ma} steps. clip frac (|ratio - 1| > clip range) "
+                 "and approx KL (0.5 mean (logp - logp_old)^2): means over the steps; ratio range: over every "
+                 "trained transition of every step.")
     return "\n".join(lines)
 
 

@@ -48,7 +48,7 @@ def select_parameters(model, pattern):
         raise ConfigError(f"--diag_params {pattern!r} matches no parameter name of the transformer")
 
 
-def _accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha="timestep"):
+def accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha="timestep"):
     """The gradient of one group, summed over all samples, left in the parameters' .grad.
     cols: [N, w] the group's transitions of each sample."""
     ctx.transformer.zero_grad(set_to_none=True)
@@ -82,11 +82,11 @@ def group_similarities(ctx, make_batch, groups, batch_size, timesteps=None):
     params = _trainable(ctx.raw_transformer)
     rows = []
     for group, cols in groups:
-        _accumulate_group(ctx, make_batch, cols, "exact", batch_size)
+        accumulate_group(ctx, make_batch, cols, "exact", batch_size)
         exact = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for p in params]
         row = dict(group=group.index, positions=list(group.members), size=group.size)
         for key, mode, alpha in VARIANTS:
-            _accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha)
+            accumulate_group(ctx, make_batch, cols, mode, batch_size, alpha)
             row[f"cos_{key}"], row[f"relerr_{key}"], row["exact_norm"] = _compare_to(params, exact)
         if timesteps is not None:
             row["mean_t"] = float(timesteps.to(cols.device)[cols].mean())

@@ -7,7 +7,7 @@ A registry: the family name (jagg_patch.upstream.fingerprint.family_of) -> its r
 """
 import torch
 
-from ..cli import rollout_output_bytes
+from ..cli import upstream_output_bytes
 
 
 def repeat_rows(value, n):
@@ -39,7 +39,7 @@ class FluxUpstream:
     needs_group = False
     plan_note = None   # a line the start-up plan adds for this family
     # What the plan says the kept rollout outputs cost per sample (None: not sized by the flags alone).
-    output_bytes = staticmethod(rollout_output_bytes)
+    output_bytes = staticmethod(upstream_output_bytes)
 
     @staticmethod
     def prompts(named):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
+from dancegrpo.algo.ratio_stats import RatioMeter
 from dancegrpo.utils.metrics import PassCounter, first_tensor, phase_times, reward_summary, update_counts
 
 from ..seams import UPSTREAM_ROLLOUT_VALUES
@@ -120,10 +121,17 @@ def optimizer_step(family, transformer, optimizer, lr_scheduler, max_grad_norm):
     return grad_norm
 
 
-def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, step=0, counter=None):
+def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, step=0, counter=None, ratios=None):
     """The UpdateBatch of sample i (a micro-batch of one). `last` keeps the latest ratio and loss;
-    `step` (the training step) and `counter` (the step's PassCounter) serve the monitor."""
+    `ratios` (a RatioMeter) the step's ratio statistics; `step` (the training step) and `counter`
+    (the step's PassCounter) serve the monitor."""
     args = traj.args
+    ratios = RatioMeter() if ratios is None else ratios
+
+    @contextlib.contextmanager
+    def apart():   # the monitor's passes and ratios are not the step's
+        with counter.apart() if counter is not None else contextlib.nullcontext(), ratios.apart():
+            yield
 
     def grpo_one_step(ks, model):
         """upstream's grpo_one_step on sample i's transitions ks (each a LongTensor [1]), stacked."""
@@ -147,6 +155,7 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, s
     def step_loss(k, v):
         log_prob = grpo_one_step([k], StandIn(transformer, v))
         old = traj.log_probs[i, k]
+        ratios.record(log_prob, old, args.clip_range, torch.tensor([i]), k)
         per_sample = ppo_clip_loss(log_prob, old, traj.advantages[i:i + 1], args.clip_range, args.adv_clip_max)
         loss = torch.mean(per_sample) / traj.normaliser
         last["ratio"], last["loss"] = torch.exp(log_prob - old).detach(), loss.detach()
@@ -157,11 +166,11 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, s
 
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=traj.timesteps / 1000,
                        subset=lambda rows: sample_batch(module, family, traj, i, steps[rows], on_policy,
-                                                        transformer, last, step, counter),
+                                                        transformer, last, step, counter, ratios),
                        rollout_output=rollout_output if traj.outputs is not None else None, on_policy=on_policy,
                        predict_batched=predict_batched, step=step,
                        parameters=lambda: [p for p in transformer.parameters() if p.requires_grad],
-                       counted_apart=counter.apart if counter is not None else contextlib.nullcontext)
+                       counted_apart=apart)
 
 
 def rollout(module, family_name, update, named, rows=1):
@@ -200,7 +209,7 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
     args, transformer, device = named["args"], named["transformer"], named["device"]
     optimizer, ga = named["optimizer"], args.gradient_accumulation_steps
     rows = family.call_rows(args)
-    counter, t_start = PassCounter(transformer, rows), time.time()
+    counter, ratios, t_start = PassCounter(transformer, rows), RatioMeter(), time.time()
     try:
         if family.zero_grad_first:
             optimizer.zero_grad()
@@ -216,7 +225,7 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
         t_update, stats, total_loss, grad_norm, optimizer_steps, last = time.time(), UpdateStats(), 0.0, None, 0, {}
         for i in range(num_samples):
             sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
-                                               transformer, last, step, counter))
+                                               transformer, last, step, counter, ratios))
             stats += sample_stats
             loss = _mean_over_ranks(sample_stats.loss, device)
             if not math.isfinite(loss):
@@ -241,6 +250,7 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
     # The trainer's record names (dancegrpo.utils.metrics), this rank's counts.
     stats_dict = {**update_counts(counter, stats, num_samples), "backward_calls": stats.backward_calls,
                   "optimizer_steps": optimizer_steps, "loss": total_loss, "grad_norm": grad_norm.item(),
-                  **reward_summary(gathered), **phase_times(t_start, t_update, t_end), **stats.metrics}
+                  **reward_summary(gathered), **phase_times(t_start, t_update, t_end),
+                  **ratios.summary(device), **stats.metrics}
     return (total_loss, grad_norm.item()), stats_dict
 

@@ -10,6 +10,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
 from dancegrpo import train_grpo_flux, trainer
 from dancegrpo.args import parse_args
+from dancegrpo.algo.ratio_stats import RatioMeter
+from dancegrpo.build import describe
 from dancegrpo.utils.fsdp_util import full_gradients
 from dancegrpo.utils.data import PromptEmbeddingDataset, collate_prompts
 from dancegrpo.algo.rollout import predict_velocity
@@ -68,15 +70,40 @@ def check(cache_dir, workdir, flags):
     ctx.transformer.train()
     stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update)
     fsdp_grads = {k: g * world for k, g in full_gradients(ctx.transformer).items()}  # FSDP averages over ranks
+    ratio_stats = ctx.ratio_meter.summary(ctx.device)   # over both ranks' halves
 
-    ref_ctx = dataclasses.replace(ctx, transformer=ref_model)
+    ref_ctx = dataclasses.replace(ctx, transformer=ref_model, ratio_meter=RatioMeter(keep=True))
     ref_model.train()
-    trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser, update)
-    ref = {k: p.grad for k, p in ref_model.named_parameters() if p.requires_grad}
+
+    def single_process_gradient():
+        ref_model.zero_grad(set_to_none=True)
+        trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser, update)
+        return {k: p.grad.clone() for k, p in ref_model.named_parameters() if p.requires_grad}
+    ref = single_process_gradient()
     assert set(ref) == set(fsdp_grads), sorted(set(ref) ^ set(fsdp_grads))[:4]
-    num = sum(((fsdp_grads[k] - ref[k]) ** 2).sum() for k in ref).sqrt().item()
-    den = sum((ref[k] ** 2).sum() for k in ref).sqrt().item()
-    counts = ctx.counter.as_dict()
+    result = {"rel_err": rel_err(fsdp_grads, ref), "ref_norm": norm(ref), "world_size": world,
+              "jagg_groups": stats.jagg_groups, "num_trained_tensors": len(ref), "backward_calls": stats.backward_calls,
+              "banner": describe(ctx), "ratio_stats": ratio_stats,
+              "ratio_reference": by_hand(ref_ctx.ratio_meter.kept, args.clip_range), **ctx.counter.as_dict()}
+    if args.mixed_precision == "bf16":   # how far bf16 is from the float32 gradient of the same batch
+        args.mixed_precision = "no"
+        result["rel_err_vs_float32"] = rel_err(fsdp_grads, single_process_gradient())
     ctx.counter.remove()
-    return {"rel_err": num / den, "ref_norm": den, "world_size": world, "jagg_groups": stats.jagg_groups,
-            "num_trained_tensors": len(ref), "backward_calls": stats.backward_calls, **counts}
+    return result
+
+
+def norm(grads):
+    return sum((g.double() ** 2).sum() for g in grads.values()).sqrt().item()
+
+
+def rel_err(got, ref):
+    return norm({k: got[k] - ref[k] for k in ref}) / norm(ref)
+
+
+def by_hand(kept, clip_range):
+    """The PPO statistics of every (sample, transition) the single process scored, written out."""
+    ratios = torch.cat([r for _, _, r in kept]).double()
+    log_ratios = torch.log(ratios)
+    return {"ratio_mean": ratios.mean().item(), "ratio_min": ratios.min().item(), "ratio_max": ratios.max().item(),
+            "clip_frac": ((ratios - 1).abs() > clip_range).double().mean().item(),
+            "approx_kl": (0.5 * log_ratios ** 2).mean().item(), "count": ratios.numel()}

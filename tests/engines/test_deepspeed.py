@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from helpers import REPO_ROOT, exit_threads_env, read_metrics, run_main, run_mains, threads_at_exit
 
@@ -20,6 +21,8 @@ STAGES = ((2, 0.0), (3, 1e-5))    # stage, tolerance against the plain run
 LORA = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8, "--learning_rate", "1e-2", "--max_train_steps", 2]
 AUTO = ["--jagg_window", 3, "--jagg_frac", "auto", "--jagg_monitor_every", 1, "--jagg_min_cos", 0.9,
         "--max_train_steps", 2]
+BF16 = ["--mixed_precision", "bf16"]   # on CPU: the config's bf16 section stays on (a float32 run turns it off)
+JAGG = ["--jagg_window", 4, "--jagg_frac", 1]
 # Measured at step 1 only: after a resume from checkpoint-1, step 2 runs on the routing the checkpoint kept.
 AUTO_ONCE = ["--jagg_window", 3, "--jagg_frac", "auto", "--jagg_monitor_every", 100, "--jagg_min_cos", 0.9]
 
@@ -53,7 +56,10 @@ def runs(cache_dir, tmp_path_factory):
             "once_z2": run("once_z2", *AUTO_ONCE, *zero(2), "--max_train_steps", 2, launcher=["jagg_patch"]),
             "once_z2_part": run("once_z2_part", *AUTO_ONCE, *zero(2), "--max_train_steps", 1, launcher=["jagg_patch"]),
             "once_z2_resumed": run("once_z2_part", *AUTO_ONCE, *zero(2), "--max_train_steps", 2,
-                                   "--resume_from_checkpoint", "latest", launcher=["jagg_patch"])}
+                                   "--resume_from_checkpoint", "latest", launcher=["jagg_patch"]),
+            "z2_bf16": run("z2_bf16", *zero(2), *BF16, "--max_train_steps", 2),
+            "z2_bf16_jagg": run("z2_bf16_jagg", *zero(2), *BF16, *JAGG, "--max_train_steps", 2, launcher=["jagg_patch"]),
+            "jagg_plain": run("jagg_plain", *JAGG, "--max_train_steps", 2, launcher=["jagg_patch"])}
     for stage, _ in STAGES:
         plan[f"z{stage}"] = run(f"z{stage}", *zero(stage), "--max_train_steps", 3, *EMA[stage])
         plan[f"z{stage}_part"] = run(f"z{stage}_part", *zero(stage), "--max_train_steps", 2, *EMA[stage])
@@ -84,7 +90,7 @@ def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(runs):
     plain = weights(folder / "plain" / "checkpoint-2-0")
     for stage, tol in STAGES:
         _, stdout, _ = results[f"z{stage}_resumed"]
-        assert f"(DeepSpeed ZeRO-{stage})" in stdout
+        assert f"(DeepSpeed ZeRO-{stage} fp32)" in stdout and "computes in float32" in stdout
         # CPU runs are fp32 (the config's bf16 is turned off): 81664 parameters x 4 B = 0.312 MiB held and
         # as gradients on one rank, 12 B each of optimizer (fp32 master copy + two moments) = 0.935 MiB.
         assert "training state: params 0.312 MiB + grads 0.312 MiB + optimizer 0.935 MiB" in stdout
@@ -94,6 +100,26 @@ def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(runs):
         assert max_diff(weights(part), weights(full)) == 0.0
         if EMA[stage]:
             assert max_diff(weights(part / "ema"), weights(full / "ema")) == 0.0
+
+
+@pytest.mark.parametrize("name,reference", [("z2_bf16", "plain"), ("z2_bf16_jagg", "jagg_plain")])
+def test_zero2_in_bf16_on_cpu_holds_bf16_weights_and_computes_in_bf16(runs, cache_dir, name, reference):
+    """--mixed_precision bf16 keeps the config's bf16 on CPU: the engine holds bf16 parameters and
+    gradients (half the bytes of the float32 run; the optimizer's fp32 master copy and moments stay
+    12 B a parameter) and the transformer computes under bf16 autocast; vanilla and JAGG train (their
+    weights move) and end elsewhere than the float32 run of the same flags."""
+    results, folder = runs
+    _, stdout, _ = results[name]
+    assert "(DeepSpeed ZeRO-2 bf16)" in stdout and "computes in bf16 autocast" in stdout
+    assert "training state: params 0.156 MiB + grads 0.156 MiB + optimizer 0.935 MiB" in stdout
+    from dancegrpo.presets import materialize_preset
+    bf16, float32 = weights(folder / name / "checkpoint-2-0"), weights(folder / reference / "checkpoint-2-0")
+    assert {v.dtype for v in bf16.values()} == {torch.bfloat16}   # the engine's own (bf16) parameters, exported
+    start = weights(os.path.join(materialize_preset("flux", "tiny", cache_dir), "transformer"))
+    as_bf16 = lambda state: {k: v.to(torch.bfloat16).float() for k, v in state.items()}  # noqa: E731
+    bf16 = as_bf16(bf16)
+    assert max_diff(bf16, as_bf16(start)) > 1e-3                     # trained
+    assert max_diff(bf16, as_bf16(float32)) > 1e-3                   # not the float32 run, rounded
 
 
 def test_the_runs_release_their_process_groups_but_zero3s(runs):

@@ -23,6 +23,45 @@ def test_fsdp_two_ranks_gradient_equals_single_process(dist_result):
     assert result["rel_err"] < 1e-5, result
     # rank 0 trained 4 samples x 4 transitions; the hooks saw each backward once
     assert result["transformer_backwards"] == result["transformer_forwards_grad"] == 16
+    assert_ratio_statistics_of_the_whole_batch(result)
+
+
+def assert_ratio_statistics_of_the_whole_batch(result):
+    """The PPO statistics each rank logs (its half, reduced over the ranks: sums, min, max) are those
+    written out over the single process's whole batch (2 prompts x 4 samples x 4 transitions)."""
+    reference = result["ratio_reference"]
+    assert reference["count"] == 32 and reference["clip_frac"] > 0   # ratios spread past the clip (1e-4)
+    for name, value in result["ratio_stats"].items():
+        assert value == pytest.approx(reference[name], rel=1e-5, abs=1e-9), name
+
+
+BF16 = ["--mixed_precision", "bf16"]
+
+
+@pytest.mark.parametrize("dist_result,jagg,params", [
+    (dist_check("fsdp-bf16", "grad", FAST + BF16), False, "fp32"),
+    (dist_check("fsdp-bf16-jagg", "grad", FAST + BF16 + JAGG_W4), True, "fp32"),
+    (dist_check("fsdp-bf16-params", "grad", FAST + BF16 + ["--master_weight_type", "bf16"]), False, "bf16")],
+    indirect=["dist_result"], ids=["vanilla", "jagg", "bf16-params"])
+def test_fsdp_two_ranks_compute_in_bf16_on_cpu(dist_result, jagg, params):
+    """--mixed_precision bf16 under FSDP1 on gloo: the banner says so; the two ranks' gradient is the
+    single-process bf16 one (fp32 FSDP weights under CPU autocast, as upstream's Flux: to float32
+    reduction order), and it is not the float32 gradient (bf16 moved it). With --master_weight_type bf16
+    (upstream's Qwen-Image setting: bf16 parameters and a bf16 gradient reduction, which gloo does) it
+    is the bf16 gradient up to the bf16 rounding of the weights and of the reduction: closer to the
+    single-process bf16 gradient than that is to float32's."""
+    result = dist_result
+    print(f"bf16 on 2 ranks ({params} FSDP weights): rel. error {result['rel_err']:.2e} against one process in "
+          f"bf16, {result['rel_err_vs_float32']:.2e} against float32")
+    assert result["world_size"] == 2 and "computes in bf16 autocast" in result["banner"]
+    assert f"(FSDP {params})" in result["banner"]
+    assert result["rel_err_vs_float32"] > 1e-3
+    if params == "fp32":
+        assert result["rel_err"] < 1e-5, result
+    else:
+        assert result["rel_err"] < 0.5 * result["rel_err_vs_float32"], result
+    assert result["transformer_backwards"] == (8 if jagg else 16)
+    assert_ratio_statistics_of_the_whole_batch(result)
 
 
 @pytest.mark.parametrize("dist_result", [dist_check("fsdp-authors", "grad", FAST + AUTHORS)], indirect=True,

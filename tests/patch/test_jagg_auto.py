@@ -1,15 +1,16 @@
 """--jagg_frac auto: on a velocity field built so that the answer is known (its Jacobian is exactly
 affine in (z, t) over the high-noise group, strongly nonlinear over the low-noise one), the monitor
 measures cos 1 where JAGG is exact, auto routes exactly that position to JAGG, and the routed
-update's gradient equals the fixed-fraction update with the same routing. The smoothing and the
-hysteresis of the routing, step by step."""
+update's gradient equals the fixed-fraction update with the same routing. The routing's confidence
+bound, step by step."""
 import contextlib
 
+import pytest
 import torch
 
 from dancegrpo.algo.grpo import UpdateBatch
 from jagg_patch import interpolation_weights, make_policy_update
-from jagg_patch.routing import MARGIN, AutoRouting
+from jagg_patch.routing import AutoRouting, t_quantile
 
 M, L, C, S, W = 2, 3, 4, 8, 3
 T_SWITCH = 0.6   # above: affine field; below: a tanh network on top
@@ -92,17 +93,48 @@ def test_auto_routes_exactly_the_linear_position_and_trains_as_that_fixed_routin
     assert (unmeasured.jagg_groups, unmeasured.exact_groups, unmeasured.metrics) == (0, 2 * M, {"jagg_routed": 0})
 
 
-def test_the_routing_smooths_and_holds_at_the_threshold():
-    routing = AutoRouting(min_cos=0.8)
-    assert routing.routed == set()
-    seen = []
-    for cos in (0.9, 0.75, 0.7, 0.6, 0.95, 0.95):
-        routing.update({"jagg_cos/g0": cos, "endpoints_cos/g0": 0.0})
-        seen.append((round(routing.smoothed[0], 4), 0 in routing.routed))
-    # EMA with weight 0.5: 0.9 -> on; 0.825 (>= 0.8) on; 0.7625 (>= 0.75 = 0.8 - MARGIN) still on;
-    # 0.68125 off; 0.815625 on again; 0.8828 on.
-    assert MARGIN == 0.05
-    assert seen == [(0.9, True), (0.825, True), (0.7625, True), (0.6812, False), (0.8156, True), (0.8828, True)]
+def _bound_reference(measurements, min_cos, decay=0.5):
+    """The routing written out: EMA of the means, variance of the EMA from each measurement's sd^2 / n,
+    a one-sided 95% Student-t bound (scipy's quantile) for the latest n - 1; in when the lower bound
+    reaches min_cos, out when the upper bound falls below it, else as before."""
+    from scipy.stats import t as student
+    routed, mean, var, seen = False, None, None, []
+    for cos, sd, n in measurements:
+        se2 = sd ** 2 / n
+        mean, var = (cos, se2) if mean is None else (decay * mean + (1 - decay) * cos,
+                                                     decay ** 2 * var + (1 - decay) ** 2 * se2)
+        half = student.ppf(0.95, n - 1) * var ** 0.5
+        routed = True if mean - half >= min_cos else False if mean + half < min_cos else routed
+        seen.append(routed)
+    return seen
+
+
+def test_the_routing_moves_only_when_its_confidence_bound_clears_the_threshold():
+    """A 2-sample mean of 0.9 with a wide spread does not route (the old rule, mean >= min_cos, did);
+    a tight 0.9 does; a smoothed 0.8 whose bound straddles 0.8 keeps the routing; a bound below it
+    leaves JAGG, and a mean just above 0.8 does not come back while its bound straddles the threshold."""
+    measurements = [(0.9, 0.1, 2), (0.9, 0.01, 8), (0.7, 0.01, 8), (0.7, 0.01, 8), (0.81, 0.001, 8)]
+    routing, seen = AutoRouting(min_cos=0.8), []
+    for cos, sd, n in measurements:
+        routing.update({"jagg_cos/g0": cos, "jagg_cos_sd/g0": sd, "jagg_cos_n/g0": n, "endpoints_cos/g0": 0.0})
+        seen.append(0 in routing.routed)
+    assert seen == _bound_reference(measurements, 0.8) == [False, True, True, False, False]
+    assert routing.smoothed[0] == pytest.approx(0.78)
+
+
+def test_one_sample_gives_no_bound_and_auto_refuses_it():
+    routing = AutoRouting(min_cos=0.5)
+    routing.update({"jagg_cos/g0": 0.99, "jagg_cos_sd/g0": 0.0, "jagg_cos_n/g0": 1})
+    assert routing.routed == set()   # no spread, no bound: nothing is decided
+    with pytest.raises(ValueError, match="monitor_samples >= 2"):
+        make_policy_update(window=W, jagg_frac="auto", monitor_every=1, monitor_samples=1)
+
+
+def test_the_t_quantiles_are_students():
+    from scipy.stats import t as student
+    for dof in range(1, 41):
+        expected = student.ppf(0.95, dof) if dof <= 30 else 1.645
+        assert t_quantile(dof) == pytest.approx(expected, abs=6e-4), dof
 
 
 def test_a_resumed_auto_run_routes_and_trains_as_the_unbroken_one(cache_dir, tmp_path, capsys):
@@ -150,3 +182,30 @@ def test_a_measurement_with_nothing_to_compare_says_so_and_keeps_the_routing(cap
     assert not any("_cos/" in k for k in stats.metrics) and stats.metrics["monitor_skipped"] == 1
     assert "step 2: the JAGG monitor measured nothing" in capsys.readouterr().out
     assert auto.routing.routed == {0} and stats.metrics["jagg_routed"] == 0b01
+
+
+def _agreement_script():
+    import importlib.util
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "routing_agreement.py")
+    spec = importlib.util.spec_from_file_location("routing_agreement", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_agreement_study_routes_each_measurement_by_both_rules(cache_dir, tmp_path):
+    """benchmarks/routing_agreement.py: disjoint sets of n samples within a rollout; the mean rule routes a
+    spread-out 0.991 at 0.99, the bound does not; pairs counted by hand; a tiny end-to-end run."""
+    study = _agreement_script()
+    found = [(1, s, {0: c}) for s, c in enumerate([0.999, 0.983, 0.995, 0.9951])] + [(2, 0, {0: 0.98})]
+    assert study.measurements(found, 2) == [[{0: 0.999}, {0: 0.983}], [{0: 0.995}, {0: 0.9951}]]
+    assert study.routed_by_mean([{0: 0.999}, {0: 0.983}], 0.99) == {0}
+    assert study.routed_by_bound([{0: 0.999}, {0: 0.983}], 0.99) == set()
+    assert study.routed_by_bound([{0: 0.995}, {0: 0.9951}], 0.99) == {0}
+    assert study.agreement([{0}, {0}, set()]) == pytest.approx(1 / 3)
+    result = study.main(["--family", "flux", "--preset", "tiny", "--cache_dir", cache_dir, "--out", str(tmp_path),
+                         "--windows", "4", "--min_cos", "0.5", "--rollouts", "1", "--samples", "4", "--sizes", "2,4"])
+    (table,) = result["tables"]
+    assert [row["n"] for row in table["rows"]] == [2, 4] and table["rows"][0]["measurements"] == 2
+    assert len(table["cosines"]) == 4 and (tmp_path / "agreement.md").is_file()

@@ -180,8 +180,10 @@ def test_plan_states_saved_forwards_and_memory(cache_dir, tmp_path):
     text = plan()
     # 9 trained -> groups 4J 4J 1E: 4 middles; GA 12 of 24 samples; 16 x 45 x 45 x 64 x 4 B = 7.91 MiB
     assert "rollout reuse on_policy: 4 no-grad forwards per sample taken from the rollout for 12 of the 24" in text
-    assert "2 per sample on average; keeps 7.91 MiB per sample in float32, 189.8 MiB per rank at 720x720" in text
+    assert "2 per sample on average; keeps 7.91 MiB per sample, 189.8 MiB per rank at 720x720" in text
     assert "rollout reuse off: every middle member is forwarded" in plan("--jagg_reuse_rollout", "off")
+    # Under bf16 autocast the outputs are kept as the model computes them: 2 B an element, half
+    assert "keeps 3.96 MiB per sample, 94.9 MiB per rank at 720x720" in plan("--mixed_precision", "bf16")
 
 
 def test_staleness_tool_compares_stale_with_fresh(cache_dir, tmp_path):

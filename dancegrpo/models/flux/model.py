@@ -63,6 +63,6 @@ class FluxFamily(ModelFamily):
     def decode(self, vae, latents):
         x = unpack_latents(latents, self.height, self.width, self.vae_scale_factor)
         x = x / vae.config.scaling_factor + vae.config.shift_factor
-        with decode_context(x.device):
+        with decode_context(x.device, self.mixed_precision):
             images = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return latents_to_pil(images)

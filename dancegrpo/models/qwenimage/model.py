@@ -86,6 +86,6 @@ class QwenImageFamily(ModelFamily):
         mean = torch.tensor(vae.config.latents_mean).view(shape).to(x.device, torch.float32)
         std = torch.tensor(vae.config.latents_std).view(shape).to(x.device, torch.float32)
         x = x.float() * std + mean
-        with decode_context(x.device):
+        with decode_context(x.device, self.mixed_precision):
             frames = vae.decode(x.to(vae.dtype), return_dict=False)[0]
         return latents_to_pil(frames[:, :, 0])

@@ -69,8 +69,29 @@ def test_table_values_by_hand(two_runs):
     assert j["update_speedup"] == pytest.approx(0.6)
     assert j["update_speedup_ratio"] == pytest.approx(2.5)
     table = markdown_table(rows)
-    assert "| jagg | 4 | 3.000 | 2.000 | 1.000 | 20 | 80 | 20 | 114.5 | 4.0000 | 4.0000 | +33.3% (1.50x) | +60.0% (2.50x) |" \
-        in table
+    assert "| jagg | 4 | 3.000 | 2.000 | 1.000 | 20 | 80 | 20 | 114.5 | 4.0000 | 4.0000 | n/a | n/a | n/a | +33.3% (1.50x) " \
+           "| +60.0% (2.50x) |" in table
+
+
+def test_ratio_statistics_by_hand(tmp_path):
+    """clip_frac and approx_kl are averaged over the steps, the ratio's range taken over all of them;
+    a run that logged none shows n/a."""
+    stats = [dict(clip_frac=0.0, approx_kl=0.0, ratio_min=1.0, ratio_max=1.0),
+             dict(clip_frac=0.25, approx_kl=2e-6, ratio_min=0.9991, ratio_max=1.0004),
+             dict(clip_frac=0.5, approx_kl=4e-6, ratio_min=0.9995, ratio_max=1.0012)]
+    path = tmp_path / "run"
+    os.makedirs(path)
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, extra in enumerate(stats, 1):
+            f.write(json.dumps(dict(step=i, reward_mean=0.0, step_time_s=1.0, rollout_time_s=0.5, update_time_s=0.5,
+                                    **COUNTS_VANILLA, **extra)) + "\n")
+    bare = write_run(tmp_path / "bare", [0.0] * 3, [1.0] * 3, [0.5] * 3, COUNTS_VANILLA)
+    rows, _ = compare([str(path), bare], ["logged", "bare"], ma_window=3, skip_first=0)
+    assert rows[0]["clip_frac"] == pytest.approx(0.25) and rows[0]["approx_kl"] == pytest.approx(2e-6)
+    assert (rows[0]["ratio_min"], rows[0]["ratio_max"]) == (0.9991, 1.0012)
+    assert all(math.isnan(rows[1][k]) for k in ("clip_frac", "approx_kl", "ratio_min", "ratio_max"))
+    table = markdown_table(rows)
+    assert "| 0.250 | 2.00e-06 | [0.9991, 1.0012] |" in table and "| n/a | n/a | n/a |" in table
 
 
 def test_short_run_window_and_cli_outputs(two_runs, tmp_path, capsys):

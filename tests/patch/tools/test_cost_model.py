@@ -20,4 +20,15 @@ def test_cost_model_passes_and_implied_ratio():
     assert 16 + 5 + 4 + 5 * x == pytest.approx((1 - flux["paper_gain"]) * (16 + 9 + 9 * x), rel=1e-12)
     x = qwen["implied_b_over_f"]
     assert 20 + 7 + 4 + 7 * x == pytest.approx((1 - qwen["paper_gain"]) * (20 + 11 + 11 * x), rel=1e-12)
-    assert flux["predicted"][2.0] == pytest.approx(1 - (25 + 10) / (25 + 18), rel=1e-12)
+    plain, checkpointed = flux["predicted"].values()
+    assert plain == pytest.approx(1 - (25 + 10) / (25 + 18), rel=1e-12)
+    # gradient checkpointing recomputes the forward in every backward: B = 2 F + F, by hand
+    assert checkpointed == pytest.approx(1 - (25 + 5 * 3) / (25 + 9 * 3), rel=1e-12)
+
+
+def test_checkpointing_adds_a_forward_to_each_backward():
+    from jagg_patch.tools.cost_model import Variant, backward_units, step_gain
+    assert backward_units(2.0) == 2.0 and backward_units(2.0, 1.0) == 3.0 and backward_units(2.0, 0.5) == 2.5
+    vanilla, jagg = Variant("v", 16, (9, 0, 9)), Variant("j", 16, (5, 0, 5))
+    assert vanilla.units(2.0, 0.5) == 16 + 9 + 9 * 2.5
+    assert step_gain(2.0, vanilla, jagg, 1.0) > step_gain(2.0, vanilla, jagg)   # a saved backward is worth more

@@ -57,7 +57,7 @@ def test_parameter_subset_measures_only_those_gradients(make_args):
     import torch
     from dancegrpo import trainer
     from dancegrpo.algo.grpo import choose_train_steps
-    from jagg_patch.tools.diagnostics import _accumulate_group, group_similarities, measured_groups, select_parameters
+    from jagg_patch.tools.diagnostics import accumulate_group, group_similarities, measured_groups, select_parameters
     from jagg_patch.plan import plan_groups
 
     args = diag_args(make_args, 3)
@@ -75,7 +75,7 @@ def test_parameter_subset_measures_only_those_gradients(make_args):
     cols = steps.sort(dim=1).values[:, list(group.members)]
     full = {}
     for mode in ("exact", "jagg"):
-        _accumulate_group(ctx, make_batch, cols, mode, 4)
+        accumulate_group(ctx, make_batch, cols, mode, 4)
         full[mode] = torch.cat([dict(ctx.raw_transformer.named_parameters())[n].grad.reshape(-1).double()
                                 for n in names])
     expected_cos = float(full["jagg"] @ full["exact"] / (full["jagg"].norm() * full["exact"].norm()))

@@ -25,7 +25,7 @@ from dancegrpo.models.qwenimage import QwenImageFamily
 from dancegrpo.algo.sde import model_timesteps, sigma_schedule
 from dancegrpo.build import TrainContext
 from dancegrpo.engines import FSDPEngine
-from jagg_patch import make_policy_update, make_window_selection
+from jagg_patch import JaggConfig, make_policy_update, make_window_selection
 from jagg_patch.upstream import (UpstreamChanged, UpstreamSourceChanged, apply, fingerprint, load_trainer, revert,
                                  run_main_block, token_hash)
 from jagg_patch.upstream.fingerprint import family_of
@@ -105,8 +105,13 @@ def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_p
     assert "measured with --jagg_monitor_every 10" in run.stdout and "step 1: JAGG routing (auto" in run.stdout
     assert "jagg_cos/g0" in lines[0] and "jagg_cos/g0" not in lines[1] and lines[0]["jagg_cos/g0"] >= 0.8
     assert [r["jagg_routed"] for r in lines] == [1, 1]
-    # one group of 4 per sample: 2 backwards; the middles come from the rollout (all samples on-policy)
-    assert all(r["transformer_backwards"] == 2 * B and r["transformer_forwards_reused"] == 2 * B for r in lines)
+    # One group of 4 per sample: 2 backwards, the middles from the rollout (every sample on-policy). Upstream's
+    # micro-batch is one sample: step 1's measurement spans its first --jagg_monitor_samples samples, and the
+    # routing it chooses applies from the last of them on; those before it train exact (4 backwards).
+    early = JaggConfig().monitor_samples - 1
+    assert lines[1]["transformer_backwards"] == 2 * B and lines[1]["transformer_forwards_reused"] == 2 * B
+    assert lines[0]["transformer_backwards"] == 4 * early + 2 * (B - early)
+    assert lines[0]["transformer_forwards_reused"] == 2 * (B - early)
     assert len((tmp_path / "reward.txt").read_text().splitlines()) == 2
 
 
@@ -238,6 +243,12 @@ def test_counts_by_hooks_and_the_metrics_line(cache_dir, tmp_path):
     # the gathered reward, as upstream's ./reward.txt has it (its mean) and its spread, for the comparison
     assert [f"{line['reward_mean']:.4f}" for line in lines] == (tmp_path / "reward.txt").read_text().split()
     assert all(line["reward_std"] > 0 for line in lines)
+    # The PPO statistics over the trained transitions, as the trainer logs them: the first GA samples are
+    # on-policy (ratio 1 exactly: the stand-in's rollout and update make the same call), the rest after a step.
+    from dancegrpo.algo.ratio_stats import FIELDS
+    for line in lines:
+        assert set(FIELDS) <= set(line) and line["ratio_min"] <= 1 <= line["ratio_max"]
+        assert line["ratio_min"] <= line["ratio_mean"] <= line["ratio_max"] and 0 <= line["clip_frac"] <= 1
     from jagg_patch.tools.compare import load_metrics
     assert load_metrics(str(tmp_path / "out"), warn=lambda message: None) == [lines[1]]   # the last run
 
@@ -246,7 +257,8 @@ def test_the_monitor_measures_what_it_measures_on_this_trainer_and_leaves_the_st
     """W 3 over 6 trained transitions (two positions), the monitor at every step: the adapter's step
     with it gives the gradients at every optimizer step, returns, RNG draws and pass counts of the
     step without it, bit for bit; its cosines are those jagg_patch's monitor measures on this
-    project's trainer for the same rollout and transitions (each one's first micro-batch: sample 0)."""
+    project's trainer for the same rollout and transitions (the step's first two samples: two
+    micro-batches of one in both)."""
     flags = ("--timestep_fraction", 0.9)   # int(7 * 0.9) = 6 trained transitions
     standin = Standin("flux", cache_dir, tmp_path, *flags)
     config = dict(window=3, jagg_frac=1.0, reuse="off", backward="split")
@@ -255,7 +267,7 @@ def test_the_monitor_measures_what_it_measures_on_this_trainer_and_leaves_the_st
         plain = standin.step()
         plain_stats = standin.module.train_one_step.last_stats
         box, original = recorded_rollout(standin.module)
-        apply(standin.module, **config, monitor_every=1)
+        apply(standin.module, **config, monitor_every=1, monitor_samples=2)
         monitored = standin.step()
         stats = standin.module.train_one_step.last_stats
     finally:
@@ -275,34 +287,40 @@ def test_the_monitor_measures_what_it_measures_on_this_trainer_and_leaves_the_st
     ctx = dataclasses.replace(project_context(make_args, "flux", standin.transformer), step=1)
     standin.transformer.load_state_dict(standin.initial)
     standin.transformer.zero_grad(set_to_none=True)
-    update = make_policy_update(window=3, jagg_frac=1.0, mode="jagg", alpha="timestep", backward="split", grouping="trained", reuse="off", monitor_every=1,
-                                monitor_samples=1)
+    update = make_policy_update(window=3, jagg_frac=1.0, mode="jagg", alpha="timestep", backward="split",
+                                grouping="trained", reuse="off", monitor_every=1, monitor_samples=2)
     project = trainer.accumulate_policy_gradient(ctx, trainer.Rollout(all_latents, all_log_probs, [], rewards),
                                                  project_cond("flux", standin.batch), advantages, torch.arange(B),
                                                  steps, GA * 6, update).metrics
-    measured = sorted(k for k in project if "/g" in k)
-    assert len(measured) == 8 and measured == sorted(k for k in stats if "/g" in k)
+    measured = sorted(k for k in project if "/g" in k)   # the means and JAGG's cosine's spread, per position
+    assert len(measured) == 12 and measured == sorted(k for k in stats if "/g" in k)
+    assert project["jagg_cos_n/g0"] == 2
     for key in measured:
         assert stats[key] == pytest.approx(project[key], rel=1e-10, abs=1e-12), key
     assert all(stats[f"jagg_relerr/g{p}"] > 1e-6 for p in range(2))   # W 3: JAGG is not exact here
 
 
-@pytest.mark.parametrize("min_cos, fixed", [(-1.0, dict(jagg_frac=1.0)), (1.0, dict(mode="exact"))])
-def test_auto_under_the_adapter_routes_by_the_threshold(cache_dir, tmp_path, min_cos, fixed):
-    """--jagg_frac auto on the adapter: a threshold every cosine reaches routes both positions to JAGG,
-    one none reaches (1.0; measured ~0.99) routes none; the step is the fixed configuration's, bit for bit."""
+@pytest.mark.parametrize("min_cos", [-1.0, 1.0])
+def test_auto_under_the_adapter_routes_by_the_threshold(cache_dir, tmp_path, min_cos):
+    """--jagg_frac auto on the adapter: a threshold every cosine's bound reaches routes both positions to
+    JAGG, one none reaches (1.0; measured ~0.99) routes none. Upstream's micro-batch is one sample, so
+    the measurement spans samples 0 and 1 and the routing applies from sample 1 on: sample 0 trains
+    exact, as every sample does when nothing is routed (the step is then exact mode's, bit for bit)."""
     standin = Standin("flux", cache_dir, tmp_path, "--timestep_fraction", 0.9)
     config = dict(window=3, reuse="off", backward="split")
     try:
-        apply(standin.module, **config, jagg_frac="auto", monitor_every=1, min_cos=min_cos)
+        apply(standin.module, **config, jagg_frac="auto", monitor_every=1, monitor_samples=2, min_cos=min_cos)
         auto = standin.step()
         stats = standin.module.train_one_step.last_stats
-        apply(standin.module, **{**config, "jagg_frac": 1.0, **fixed})
-        reference = standin.step()
+        apply(standin.module, **{**config, "jagg_frac": 1.0, "mode": "exact"})
+        exact = standin.step()
     finally:
         revert(standin.module)
-    assert stats["jagg_routed"] == (0b11 if min_cos < 0 else 0)
-    assert all(torch.equal(a, b) for a, b in zip(auto[1], reference[1])) and torch.equal(auto[3], reference[3])
+    routed = min_cos < 0
+    assert stats["jagg_routed"] == (0b11 if routed else 0)
+    assert (stats["jagg_groups"], stats["exact_groups"]) == ((2 * (B - 1), 2) if routed else (0, 2 * B))
+    if not routed:
+        assert all(torch.equal(a, b) for a, b in zip(auto[1], exact[1])) and torch.equal(auto[3], exact[3])
 
 
 def test_a_rollout_that_does_not_match_its_latents_is_not_reused():
