@@ -9,7 +9,7 @@ import torch
 from dancegrpo.utils.communications import launch_world_size, print_on_rank0
 from dancegrpo.utils.precision import bytes_per_output
 
-from .config import JaggConfig
+from .config import MONITOR_SAMPLES, JaggConfig
 from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
 
 from .plan import describe_plan, group_cost, num_trained_windows, plan_groups, plan_windows
@@ -82,13 +82,15 @@ def add_jagg_args(parser):
     g.add_argument("--jagg_frac", type=_fraction, default=0.6,
                    help="Fraction of the groups, highest noise first, routed to JAGG; the rest get the exact "
                         "per-step backward (rounded half up). The authors' code: 1. auto: the group positions "
-                        "whose monitored cosine to the exact gradient (smoothed, with hysteresis) reaches "
-                        "--jagg_min_cos; every position is exact until the first measurement (step 1); needs the "
-                        "monitor (--jagg_monitor_every, 10 if not given). The routing is logged each step as "
-                        "jagg_routed (bit p: position p runs JAGG) and printed when it changes.")
+                        "whose monitored cosine to the exact gradient is measured to reach --jagg_min_cos (a "
+                        "one-sided 95%% confidence bound over the monitored samples, smoothed over measurements); "
+                        "every position is exact until the first measurement (step 1); needs the monitor "
+                        "(--jagg_monitor_every, 10 if not given). The routing is logged each step as jagg_routed "
+                        "(bit p: position p runs JAGG) and printed when it changes.")
     g.add_argument("--jagg_min_cos", type=_cosine, default=0.8,
-                   help="With --jagg_frac auto: the smoothed cosine a position needs to run JAGG (it leaves JAGG "
-                        "below this minus 0.05).")
+                   help="With --jagg_frac auto: a position runs JAGG once the lower 95%% bound of its cosine reaches "
+                        "this, and leaves JAGG when the upper bound falls below it (a bound across it changes "
+                        "nothing).")
     g.add_argument("--jagg_mode", choices=MODES, default="jagg",
                    help="jagg: interpolated Jacobians (the method); endpoints: the paper's ablation "
                         "(backward at the two endpoints only, each weighted W/2); exact: per-step backward "
@@ -119,8 +121,9 @@ def add_jagg_args(parser):
                         "relative error per position (jagg_cos/g0, ...; jagg_patch.monitor). The training is "
                         "unchanged; the extra passes are counted apart (monitor_forwards / monitor_backwards). "
                         "0: off.")
-    g.add_argument("--jagg_monitor_samples", type=_positive, default=2,
-                   help="Samples of the step's first micro-batch the monitor measures on (per rank).")
+    g.add_argument("--jagg_monitor_samples", type=_positive, default=MONITOR_SAMPLES,
+                   help="Samples the monitor measures on per rank, the step's first (over its first micro-batches "
+                        "when one holds fewer); --jagg_frac auto needs >= 2 (the spread its bound is made of).")
     return parser
 
 
@@ -145,13 +148,25 @@ def monitor_for_auto(args):
                        f"--jagg_monitor_every {AUTO_MONITOR_EVERY} (give another N to change it)")
 
 
+def monitor_samples_for_batch(args):
+    """The monitor measures at most the samples a rank trains in a step: --jagg_monitor_samples above them
+    is lowered to them (said once); auto needs two of them for a spread."""
+    if not args.jagg_monitor_every:
+        return
+    per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
+    if args.jagg_frac == "auto" and per_rank < 2:
+        fail(f"--jagg_frac auto routes by the spread of the monitor's cosines over a rank's samples, and a rank "
+             f"trains {per_rank} per step: raise --train_batch_size or --num_generations, or give a fixed --jagg_frac")
+    if args.jagg_monitor_samples > per_rank:
+        print_on_rank0(f"notice: the JAGG monitor measures the {per_rank} samples a rank trains per step "
+                       f"(--jagg_monitor_samples {args.jagg_monitor_samples} asks for more)")
+        args.jagg_monitor_samples = per_rank
+
+
 def check_trajectory(args):
     """The checks that need the trainer's geometry, before any model is loaded."""
     monitor_for_auto(args)
-    per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
-    if args.jagg_monitor_every and args.jagg_monitor_samples > per_rank:
-        fail(f"--jagg_monitor_samples {args.jagg_monitor_samples} exceeds the {per_rank} samples a rank trains per "
-             "step (--train_batch_size x --num_generations): the measurement would never be complete; lower it")
+    monitor_samples_for_batch(args)
     if args.jagg_monitor_every and args.jagg_grouping == "window" and launch_world_size() > 1:
         fail("--jagg_monitor_every with --jagg_grouping window on several ranks: the ranks' samples train "
              "different windows, so their measuring passes would not line up; use --jagg_grouping trained")

@@ -16,6 +16,11 @@ from .core import validate_jagg_config
 from .routing import AUTO
 
 
+# Measured (docs/jagg.md, "Routing by a measurement"): at 8 samples repeated measurements of one model route
+# alike wherever its cosines lie further from min_cos than their own noise; at 2, one pair in two did.
+MONITOR_SAMPLES = 8
+
+
 @dataclass(frozen=True)
 class JaggConfig:
     window: int = 4                # W: transitions per group
@@ -26,7 +31,7 @@ class JaggConfig:
     grouping: str = "trained"      # core.GROUPINGS
     reuse: str = "on_policy"       # core.REUSE_MODES: middle members' outputs from the rollout
     monitor_every: int = 0         # the live fidelity monitor at step 1 and every N steps; 0: off
-    monitor_samples: int = 2       # samples of the step's first micro-batch it measures on
+    monitor_samples: int = MONITOR_SAMPLES   # the step's first samples it measures on (auto: >= 2)
     min_cos: float = 0.8           # with jagg_frac "auto": the smoothed cosine a position needs
 
     def __post_init__(self):

@@ -44,8 +44,6 @@ ratio is given too. Two checks are printed, not asserted: measured update speedu
 predicted one, and whole-step speedup >= the paper's (18.3% Flux, 17.2% Qwen-Image).
 """
 import contextlib
-import json
-import os
 import statistics
 import sys
 import time
@@ -57,6 +55,7 @@ from dancegrpo.utils.precision import describe_precision
 
 from ..cli import AUTO_MONITOR_EVERY, check_trajectory, trainer_cli
 from .comm_count import count_fsdp_collectives
+from .reports import print_and_write
 from ..core import resolve_backward
 from ..plan import Group
 from .cost_model import sample_groups, seconds, sum_passes
@@ -510,12 +509,7 @@ def main(argv=None):
     if launch_rank() != 0:
         return result
     report = format_report(result)
-    print(report, flush=True)
-    for path, text in ((args.bench_json, json.dumps(result, indent=1)), (args.bench_md, report + "\n")):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text)
+    print_and_write(report, result, args.bench_json, args.bench_md)
     return result
 
 

@@ -24,12 +24,11 @@ gradient, not which transitions one precision happens to clip.
 import argparse
 import copy
 import dataclasses
-import json
-import os
 import sys
 
 import torch
 
+from .reports import print_and_write
 from ..cli import check_trajectory, fail, jagg_config, trainer_cli
 from ..similarity import gradient_similarity
 from ..update import make_policy_update
@@ -218,12 +217,7 @@ def main(argv=None):
     update_precision = args.mixed_precision if args.prec_update_precision == "same" else args.prec_update_precision
     result = exit_on_config_error(measure)(module, args, parts, update_precision, args.prec_samples)
     report = format_report(result)
-    print(report, flush=True)
-    for path, text in ((args.prec_json, json.dumps(result, indent=1)), (args.prec_md, report + "\n")):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            with open(path, "w") as f:
-                f.write(text)
+    print_and_write(report, result, args.prec_json, args.prec_md)
     return result
 
 

@@ -112,7 +112,8 @@ def preflight(upstream_args, jagg, family, trainer=None):
         fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {per_rank} "
              "samples a rank trains per step, so train_one_step would never step the optimizer (upstream then "
              "fails on an unbound grad_norm); lower it")
-    check_trajectory(merged)
+    check_trajectory(merged)   # it may lower --jagg_monitor_samples to the samples a rank trains
+    jagg.jagg_monitor_samples = merged.jagg_monitor_samples
     try:
         FAMILIES[family].call_rows(upstream_args)
         plan = jagg_plan_text(merged, FAMILIES[family].output_bytes)
@@ -166,6 +167,9 @@ def main(argv=None):
 
     def checked_main(args):
         preflight(args, jagg, family, trainer)
+        if jagg.jagg_monitor_samples != config.monitor_samples:   # lowered to what a rank trains: the update too
+            apply(module, config.replace(monitor_samples=jagg.jagg_monitor_samples),
+                  allow_upstream_changes=jagg.jagg_allow_upstream_changes)
         return upstream_main(args)
 
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name

@@ -63,7 +63,7 @@ def test_apply_twice_then_revert_restores_original_objects():
     assert flux.policy_update.jagg_config == JaggConfig(window=2, jagg_frac=1.0)
     assert flux.policy_update.jagg_config.as_dict() == dict(window=2, jagg_frac=1.0, mode="jagg", alpha="timestep",
                                                             backward="joint", grouping="trained", reuse="on_policy",
-                                                            monitor_every=0, monitor_samples=2, min_cos=0.8)
+                                                            monitor_every=0, monitor_samples=8, min_cos=0.8)
     assert flux.select_train_steps is grpo.select_train_steps   # the trained grouping keeps vanilla's choice
     assert grpo.policy_update is originals["dancegrpo.train_grpo_flux"]  # the library function is untouched
     revert_jagg()
