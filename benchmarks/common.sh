@@ -58,12 +58,14 @@ run_variant() {
     jagg_auto) mode=jagg; frac=auto ;;                                  # routed by the monitor's cosines
     jagg_w8) mode=jagg; frac=1.0; extra=(--jagg_window 8) ;;
     jagg_w8_auto) mode=jagg; frac=auto; extra=(--jagg_window 8) ;;
+    # one group per sample: a window longer than any sample's trained transitions (W 9 Flux, 11 Qwen-Image)
+    jagg_whole) mode=jagg; frac=1.0; extra=(--jagg_window "${WHOLE_WINDOW:-64}") ;;
     # auto with a second threshold, STRICT_MIN_COS (0.99): a position needs a higher cosine to join JAGG
     jagg_auto_strict) mode=jagg; frac=auto; extra=(--jagg_min_cos "${STRICT_MIN_COS:-0.99}") ;;
     jagg_w8_auto_strict) mode=jagg; frac=auto; extra=(--jagg_window 8 --jagg_min_cos "${STRICT_MIN_COS:-0.99}") ;;
     *) echo "error: unknown variant '$variant' (VARIANTS takes vanilla, control, jagg, endpoints, exact," \
-            "jagg_split, jagg_window, authors, jagg_frac1, jagg_auto, jagg_w8, jagg_w8_auto, jagg_auto_strict," \
-            "jagg_w8_auto_strict)" >&2; exit 2 ;;
+            "jagg_split, jagg_window, authors, jagg_frac1, jagg_auto, jagg_w8, jagg_w8_auto, jagg_whole," \
+            "jagg_auto_strict, jagg_w8_auto_strict)" >&2; exit 2 ;;
   esac
   [[ "$frac" != auto ]] || extra+=(--jagg_monitor_every "${MONITOR_EVERY:-10}")
   rm -rf "$dir"

@@ -15,7 +15,7 @@
 #   PRESET=digits_large VARIANTS="vanilla jagg" bash benchmarks/digits.sh   # the less linear world
 #
 # Settings (besides benchmarks/common.sh): SEEDS ("42 43 44"), STEPS (60), EVAL_EVERY (10),
-# EVAL_IMAGES (5 per prompt), JOBS (2 training runs at once, one thread each), FIDELITY (1; 0
+# EVAL_IMAGES (5 per prompt), EVAL_ARGS (extra evaluate flags), JOBS (2 training runs at once, one thread each), FIDELITY (1; 0
 # skips part 2), FID_ROLLOUTS (3), FID_SAMPLES (32 samples per rollout), FID_GROUPINGS ("trained
 # window"). VARIANTS default: vanilla jagg jagg_window authors endpoints control.
 # Outputs ($PRESET is digits unless set): $OUT/$PRESET/quality/<model>/seed<S>/<variant>/ (runs),
@@ -33,6 +33,7 @@ EVAL_IMAGES="${EVAL_IMAGES:-5}"
 JOBS="${JOBS:-2}"
 FIDELITY="${FIDELITY:-1}"
 FID_GROUPINGS="${FID_GROUPINGS:-trained window}"
+read -r -a EVAL_FLAGS <<< "${EVAL_ARGS:-}"   # extra evaluate flags, e.g. --mixed_precision bf16
 DEST="$OUT/$PRESET"
 mkdir -p "$DEST"
 REPORT="$DEST/$PRESET.md"
@@ -77,7 +78,7 @@ for model in $MODELS; do
     echo "== $model / seed $seed / evaluate $(( ${#ckpts[@]} / 2 )) checkpoints" >&2
     "$PY" -m dancegrpo.evaluate --family "$model" --preset "$PRESET" --cache_dir "$CACHE_DIR" "${ckpts[@]}" \
       --metrics digit,digit_heldout --max_prompts 40 --num_images_per_prompt "$EVAL_IMAGES" --seed "$seed" \
-      --output_dir "$root/seed$seed/eval" > "$root/seed$seed/eval.log" 2>&1 \
+      --output_dir "$root/seed$seed/eval" "${EVAL_FLAGS[@]}" > "$root/seed$seed/eval.log" 2>&1 \
       || { echo "error: evaluate failed; see $root/seed$seed/eval.log" >&2; tail -20 "$root/seed$seed/eval.log" >&2; exit 1; }
   done
   "$PY" -m jagg_patch.tools.quality_report "$root" --metric digit_heldout --out "$root/report" --variants "${VARIANTS// /,}" \

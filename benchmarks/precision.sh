@@ -32,7 +32,7 @@ run() {
   echo "== $world / $model / $name" >&2
   local t0=$SECONDS
   "$PY" -m jagg_patch.tools.precision "$(module_of "$model")" --preset "$world" --cache_dir "$CACHE_DIR" \
-    --output_dir "$dir/run_$name" --jagg_window "$JAGG_WINDOW" --jagg_frac 1 --prec_samples "$PREC_SAMPLES" \
+    --output_dir "$dir/run_$name" "${SIZE[@]}" --jagg_window "$JAGG_WINDOW" --jagg_frac 1 --prec_samples "$PREC_SAMPLES" \
     --prec_json "$dir/$name.json" --prec_md "$dir/$name.md" "$@" > "$dir/$name.log" 2>&1 \
     || { echo "error: $world / $model / $name failed; see $dir/$name.log" >&2; tail -20 "$dir/$name.log" >&2; exit 1; }
   { echo; echo "### $world, $model: $name ($((SECONDS - t0)) s)"; echo; cat "$dir/$name.md"; } >> "$REPORT"

@@ -35,6 +35,8 @@ SCRIPTS = {
                   "--update_batch_size 2", SEEDS="1", STEPS="1", EVAL_EVERY="1", EVAL_IMAGES="1",
         VARIANTS="vanilla jagg_auto", FID_ROLLOUTS="1", FID_SAMPLES="2", FID_GROUPINGS="window", BENCH_REPS="1",
         BENCH_UNIT_REPS="1", MONITOR_EVERY="1")),
+    "test_precision_script": ("precision.sh", dict(WORLDS="tiny", PREC_SAMPLES="2")),
+    "test_recipe_speed_script": ("recipe_speed.sh", dict(WORLDS="tiny", CONFIGS="all:1.0", BENCH_REPS="1")),
     "test_flow_grpo_fast_script": ("flow_grpo_fast.sh", dict(BENCH_REPS="1",
                                                              BENCH_MODES="vanilla,jagg_split,jagg_split_reuse")),
 }
@@ -191,3 +193,25 @@ def test_flow_grpo_fast_script(script):
     assert bench["sampling_steps"] == 6 and bench["sde_window_size"] == 3 and bench["train_transitions"] == 3
     assert bench["plan"] == [dict(size=3, jagg=True)] and bench["headline"] == "jagg_split_reuse"
     assert set(bench["modes"]) == {"vanilla", "jagg_split", "jagg_split_reuse"}
+
+
+def test_precision_script(script):
+    """benchmarks/precision.sh: the three measurements of one world and family, their report."""
+    text, out = script
+    assert "# What bf16 does to JAGG" in text and text.count("### tiny, flux: ") == 3
+    folder = out / "precision/tiny/flux"
+    assert json.loads((folder / "f32_mb1.json").read_text())["update_batch_size"] == 1
+    bf16 = json.loads((folder / "bf16.json").read_text())
+    assert bf16["precision"] == "bf16" and bf16["gradient"]["samples"] == 2
+    assert json.loads((folder / "bf16_rescored_f32.json").read_text())["update_precision"] == "no"
+
+
+def test_recipe_speed_script(script):
+    """benchmarks/recipe_speed.sh: one configuration timed with and without gradient checkpointing (one
+    group per sample: W = the 4 trained transitions), its rows in the table."""
+    text, out = script
+    folder = out / "recipe_speed/tiny/flux"
+    plain, ckpt = (json.loads((folder / f"4_1.0_{kind}.json").read_text()) for kind in ("plain", "ckpt"))
+    assert (plain["checkpointing"], ckpt["checkpointing"]) == (0.0, 1.0) and plain["window"] == 4
+    assert set(ckpt["modes"]) == {"vanilla", "jagg_split_reuse", "jagg_batched_reuse"}
+    assert "| tiny | flux | 4 | 1 | split |" in text and "| tiny | flux | 4 | 1 | batched |" in text
