@@ -93,7 +93,7 @@ class AutoRouting:
         return position in self.routed
 
     def describe(self):
-        shown = ", ".join(f"g{p} {self.smoothed[p]:.4f} ± {self.half_width[p]:.4f}{' JAGG' if p in self.routed else ''}"
-                          for p in sorted(self.smoothed))
-        return (f"JAGG routing (auto, min cos {self.min_cos}, {CONFIDENCE:.0%} bounds): positions {sorted(self.routed)} "
-                f"to JAGG, the rest exact (smoothed cos ± bound: {shown})")
+        shown = ", ".join(f"g{p} {self.smoothed[p]:.4f} ± {self.half_width[p]:.4f}"
+                          f"{' JAGG' if p in self.routed else ''}" for p in sorted(self.smoothed))
+        return (f"JAGG routing (auto, min cos {self.min_cos}, {CONFIDENCE:.0%} bounds): positions "
+                f"{sorted(self.routed)} to JAGG, the rest exact (smoothed cos ± bound: {shown})")

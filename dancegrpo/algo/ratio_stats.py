@@ -6,10 +6,11 @@ transitions (every (sample, transition) the policy update scores once):
     approx_kl                            0.5 mean((logp - logp_old)^2), the sampling policy to the current
 
 Before the step's first optimizer step r is 1 up to the arithmetic: exactly 1 where the update's
-model output is the rollout's (rollout reuse, the same batch shape in float32), off by the rounding
-of a recomputed forward otherwise (bf16 autocast with another batch shape: upstream's clip range of
-1e-4 is then of the order of that rounding). A measurement beside the update (JAGG's monitor) is
-kept out with `apart()`, as its transformer passes are.
+model output is the rollout's (rollout reuse; a recompute with the rollout's rounding), off by the
+difference otherwise (a recompute whose kernels round otherwise, as another batch shape can on a GPU:
+measured 3e-3 to 0.18 on the digits models, past upstream's clip range of 1e-4; docs/jagg.md). A
+measurement beside the update (JAGG's monitor) is kept out with `apart()`, as its transformer passes
+are.
 """
 import contextlib
 import math

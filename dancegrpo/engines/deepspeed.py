@@ -12,8 +12,9 @@ The optimizer is a client torch AdamW (nothing of DeepSpeed's is compiled for it
 (train_micro_batch_size_per_gpu 1, gradient_accumulation_steps 1, no loss scaling by GA); the
 trainer decides when to step: after every --gradient_accumulation_steps samples, upstream's
 cadence. Gradients are averaged over ranks, as FSDP does. On CPU fp16 in the config is turned off,
-and bf16 too unless the run computes in bf16 (--mixed_precision bf16). Checkpoints: the engine's own sharded state in
-checkpoint-*/deepspeed/ for resume, plus the same diffusers transformer/ (or LoRA) files as FSDP.
+and bf16 too unless the run computes in bf16 (--mixed_precision bf16). Checkpoints: the engine's own
+sharded state in checkpoint-*/deepspeed/ for resume, plus the same diffusers transformer/ (or LoRA)
+files as FSDP.
 """
 import contextlib
 import json

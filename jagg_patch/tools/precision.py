@@ -2,7 +2,7 @@
 update of a step, and each group gradient's error against float64.
 
     python -m jagg_patch.tools.precision dancegrpo.train_grpo_flux --preset digits_large --output_dir runs/p \\
-        --mixed_precision bf16 [--jagg_window 4 --jagg_frac 1 ...] [--prec_parts ratio,gradient] \\
+        --mixed_precision bf16 [--jagg_window 4 --jagg_frac 1 ...] [--prec_parts ratio,gradient,layers] \\
         [--prec_update_precision no] [--prec_samples 32] [--prec_json F] [--prec_md F]
 
 One rollout (the generators of training step 1), in the run's precision (--mixed_precision).
@@ -14,6 +14,9 @@ transition k, mean and max |r - 1| and the fraction outside --clip_range; and wh
 transition) pairs each JAGG form clips against vanilla's. --prec_update_precision P recomputes the
 update's forwards in P (no: float32) while the rollout stays in the run's: a recompute whose rounding
 is not the rollout's, as another kernel's (another batch shape) can be on a GPU.
+
+layers: one forward of the first samples at the middle transition in the run's precision against
+float64, module by module (where a precision's error enters the velocity).
 
 gradient: per group position (the trained grouping, every group through JAGG), the group gradient
 summed over --prec_samples samples: exact and JAGG in the run's precision, in float32, and JAGG in
@@ -34,7 +37,10 @@ from ..similarity import gradient_similarity
 from ..update import make_policy_update
 from .diagnostics import accumulate_group, measured_groups
 
-PARTS = ("ratio", "gradient")
+PARTS = ("ratio", "gradient", "layers")
+# (precision, mode) of each group gradient the gradient part compares with the exact float64 one
+GRADIENTS = (("run", "exact"), ("run", "jagg"), ("float32", "exact"), ("float32", "jagg"), ("float64", "jagg"))
+LAYER_SAMPLES = 8
 OPEN_CLIP = 1e9
 
 
@@ -126,14 +132,50 @@ def gradient_part(ctx, args, prepared, config, samples):
         exact64 = gradient("float64", "exact", cols)
         row = dict(group=group.index, positions=list(group.members), size=group.size,
                    mean_t=float(ctx.timesteps.to(cols.device)[cols].mean()))
-        for which, mode in (("run", "exact"), ("run", "jagg"), ("float32", "exact"), ("float32", "jagg"),
-                            ("float64", "jagg")):
+        for which, mode in GRADIENTS:
             similarity = gradient_similarity(exact64, gradient(which, mode, cols), over_ranks=False)
             row[f"cos_{which}_{mode}"], row[f"relerr_{which}_{mode}"] = similarity.cos, similarity.relerr
         rows.append(row)
     for c in contexts.values():
         c.transformer.zero_grad(set_to_none=True)
     return dict(samples=m, groups=rows)
+
+
+def _module_outputs(model, run):
+    """{name: flattened float64 output} of the model's modules one or two levels deep, over one call."""
+    found, handles = {}, []
+    for name, sub in model.named_modules():
+        if name and name.count(".") <= 1:
+            def keep(module, inputs, output, name=name):
+                out = output[0] if isinstance(output, tuple) else output
+                if torch.is_tensor(out):
+                    found[name] = out.detach().double().flatten()
+            handles.append(sub.register_forward_hook(keep))
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return found
+
+
+def layers_part(ctx, args, prepared):
+    """Where the run's precision departs from float64 in one forward: the relative error of each
+    module's output (one or two levels deep) on the first LAYER_SAMPLES samples at the middle
+    transition, and of the velocity."""
+    from dancegrpo.algo.rollout import predict_velocity
+    ctx64 = _float64_context(ctx, args)
+    n, k = min(LAYER_SAMPLES, prepared.advantages.numel()), args.sampling_steps // 2
+    z, t = prepared.rollout.latents[:n, k], ctx.timesteps[k].expand(n).to(ctx.device)
+    cond = {key: value[:n] for key, value in prepared.cond.items()}
+    cond64 = {key: value.double() if value.is_floating_point() else value for key, value in cond.items()}
+    run = _module_outputs(ctx.raw_transformer, lambda: predict_velocity(ctx, z, t, cond))
+    exact = _module_outputs(ctx64.raw_transformer, lambda: predict_velocity(ctx64, z.double(), t, cond64))
+    rows = [dict(module=name, relerr=float((run[name] - exact[name]).norm() / exact[name].norm()),
+                 rms=float(exact[name].norm() / exact[name].numel() ** 0.5))
+            for name in run if name in exact and run[name].shape == exact[name].shape and exact[name].norm() > 0]
+    return dict(samples=n, transition=k, modules=rows)
 
 
 def measure(module, args, parts, update_precision, samples):
@@ -149,6 +191,8 @@ def measure(module, args, parts, update_precision, samples):
         result["ratio"] = ratio_part(ctx, args, prepared, config, update_precision)
     if "gradient" in parts:
         result["gradient"] = gradient_part(ctx, args, prepared, config, samples)
+    if "layers" in parts:
+        result["layers"] = layers_part(ctx, args, prepared)
     ctx.counter.remove()
     return result
 
@@ -163,7 +207,8 @@ def format_report(r):
                       f"{r['clip_range']:g}: mean / max |r - 1| and the fraction clipped, per transition k", "",
                   "| k | " + " | ".join(f"{name}: mean, max, clipped" for name in r["ratio"]) + " |",
                   "|---|" + "---|" * len(r["ratio"])]
-        per_k = {name: {row["transition"]: row for row in entry["per_transition"]} for name, entry in r["ratio"].items()}
+        per_k = {name: {row["transition"]: row for row in entry["per_transition"]}
+                 for name, entry in r["ratio"].items()}
         for k in sorted(set().union(*[set(v) for v in per_k.values()])):
             cells = []
             for name in r["ratio"]:
@@ -183,10 +228,16 @@ def format_report(r):
                   "| group | members | mean t | exact, run's precision | JAGG, run's precision | exact, float32 | "
                   "JAGG, float32 | JAGG, float64 |", "|---|---|---|---|---|---|---|---|"]
         for row in g["groups"]:
-            cells = [f"{row[f'cos_{w}_{m}']:.5f} [{row[f'relerr_{w}_{m}']:.1e}]" for w, m in
-                     (("run", "exact"), ("run", "jagg"), ("float32", "exact"), ("float32", "jagg"), ("float64", "jagg"))]
+            cells = [f"{row[f'cos_{w}_{m}']:.5f} [{row[f'relerr_{w}_{m}']:.1e}]" for w, m in GRADIENTS]
             lines.append(f"| {row['group']}{' (size 1)' if row['size'] == 1 else ''} | {row['positions']} | "
                          f"{row['mean_t']:.3f} | " + " | ".join(cells) + " |")
+    if "layers" in r:
+        lay = r["layers"]
+        lines += ["", f"One forward in the run's precision against float64, module by module "
+                      f"({lay['samples']} samples, transition {lay['transition']}): relative error of the output "
+                      "(its rms in float64; a module called twice shows its last call)", "",
+                  "| module | relative error | rms |", "|---|---|---|"]
+        lines += [f"| {m['module']} | {m['relerr']:.2e} | {m['rms']:.3g} |" for m in lay["modules"]]
     return "\n".join(lines)
 
 

@@ -48,3 +48,6 @@ def test_in_bf16_on_cpu_the_recompute_is_the_rollouts_and_bf16s_error_is_measure
     assert group["relerr_float32_jagg"] == pytest.approx(group["relerr_float64_jagg"], rel=1e-3)
     assert group["relerr_float64_jagg"] > 1e-3 and group["relerr_run_exact"] > 1e-3
     assert group["cos_run_exact"] < 1 - 1e-4 and group["cos_run_jagg"] < group["cos_float64_jagg"]
+    # Module by module, bf16's error grows from the input projection to the velocity
+    modules = {m["module"]: m["relerr"] for m in result["layers"]["modules"]}
+    assert 1e-4 < modules["x_embedder"] < modules["proj_out"] and result["layers"]["samples"] == 8
