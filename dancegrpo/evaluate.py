@@ -47,7 +47,7 @@ from .algo.sde import model_timesteps, sigma_schedule
 from .errors import ConfigError, NonFiniteError
 from .eval_report import (earlier_summaries, merged_summaries, nonfinite_summary, table_header, table_row,
                           write_comparison)
-from .utils.precision import CHOICES as PRECISIONS, check_precision, compute_autocast
+from .utils.precision import CHOICES as PRECISIONS, check_precision, compute_autocast, describe_precision
 from .models.checkpoints import load_transformer, load_vae, precheck_checkpoint
 from .models.registry import family_class, family_names
 from .run.finite import nonfinite_parameters
@@ -281,6 +281,7 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
         "guidance": args.guidance, "seed": args.seed, "prompt_file": args.prompt_file,
         "data_json_path": os.path.abspath(args.data_json_path),
         "generate_time_s": t_gen, "score_time_s": t_score, "device": str(device),
+        "precision": describe_precision(device, args.mixed_precision),
     }
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

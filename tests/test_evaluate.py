@@ -55,6 +55,19 @@ def test_evaluate_preset_writes_csv_json_grid_table_and_repeats(cache_dir, tiny_
                                atol=0.05)
 
 
+def test_evaluate_computes_and_decodes_in_bf16_when_asked_on_cpu(cache_dir, tmp_path):
+    """The trainer's rule: float32 on CPU by default, CPU bf16 autocast with --mixed_precision bf16
+    (the transformer and the VAE decode), said in summary.json; the images move."""
+    extra = ["--metrics", "jpeg", "--max_prompts", "2", "--num_images_per_prompt", "2"]
+    found = {}
+    for flags in ((), ("--mixed_precision", "bf16")):
+        out = tmp_path / ("bf16" if flags else "default")
+        _run(cache_dir, out, *extra, *flags)
+        summary = json.load(open(out / "preset-tiny" / "summary.json"))
+        found[summary["precision"]] = [float(r["jpeg"]) for r in _csv(out / "preset-tiny" / "scores.csv")]
+    assert set(found) == {"float32", "bf16 autocast"} and found["float32"] != found["bf16 autocast"]
+
+
 def test_evaluate_compares_checkpoints_and_sde(cache_dir, tmp_path, capsys):
     from diffusers import FluxTransformer2DModel
     root = os.path.join(cache_dir, "presets")
