@@ -35,6 +35,15 @@ def relative_error(got, ref):
     return num / den
 
 
+def load_benchmark_script(name):
+    """benchmarks/<name>.py as a module (the scripts are not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO_ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_jsonl(path):
     """The records of a .jsonl file (metrics.jsonl, jagg_metrics.jsonl), in order."""
     with open(path) as f:

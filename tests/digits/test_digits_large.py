@@ -65,12 +65,8 @@ def test_shipped_large_world_is_within_its_budgets(family):
 
 
 def load_factor_sweep():
-    import importlib.util
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "linearity_factors.py")
-    spec = importlib.util.spec_from_file_location("linearity_factors", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    from helpers import load_benchmark_script
+    return load_benchmark_script("linearity_factors")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

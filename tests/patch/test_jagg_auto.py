@@ -184,20 +184,11 @@ def test_a_measurement_with_nothing_to_compare_says_so_and_keeps_the_routing(cap
     assert auto.routing.routed == {0} and stats.metrics["jagg_routed"] == 0b01
 
 
-def _agreement_script():
-    import importlib.util
-    import os
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "routing_agreement.py")
-    spec = importlib.util.spec_from_file_location("routing_agreement", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_agreement_study_routes_each_measurement_by_both_rules(cache_dir, tmp_path):
     """benchmarks/routing_agreement.py: disjoint sets of n samples within a rollout; the mean rule routes a
     spread-out 0.991 at 0.99, the bound does not; pairs counted by hand; a tiny end-to-end run."""
-    study = _agreement_script()
+    from helpers import load_benchmark_script
+    study = load_benchmark_script("routing_agreement")
     found = [(1, s, {0: c}) for s, c in enumerate([0.999, 0.983, 0.995, 0.9951])] + [(2, 0, {0: 0.98})]
     assert study.measurements(found, 2) == [[{0: 0.999}, {0: 0.983}], [{0: 0.995}, {0: 0.9951}]]
     assert study.routed_by_mean([{0: 0.999}, {0: 0.983}], 0.99) == {0}
