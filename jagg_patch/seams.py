@@ -54,6 +54,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.algo.grpo", "select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
     ("dancegrpo.algo.grpo", "wants_rollout_outputs", ("update",)),
     ("dancegrpo.algo.ratio_stats", "RatioMeter", None),
+    ("dancegrpo.algo.rollout", "predict_velocity", ("ctx", "latents", "timesteps", "cond")),
     ("dancegrpo.utils.activation_meter", "ActivationMeter", None),
     ("dancegrpo.utils.metrics", "PassCounter", None),
     ("dancegrpo.utils.metrics", "first_tensor", ("output",)),
