@@ -150,16 +150,16 @@ def monitor_for_auto(args):
 
 def monitor_samples_for_batch(args):
     """The monitor measures at most the samples a rank trains in a step: --jagg_monitor_samples above them
-    is lowered to them (said once); auto needs two of them for a spread."""
-    if not args.jagg_monitor_every:
-        return
+    is lowered to them (said once where the run monitors; a tool's _auto modes measure too); auto needs
+    two of them for a spread."""
     per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
     if args.jagg_frac == "auto" and per_rank < 2:
         fail(f"--jagg_frac auto routes by the spread of the monitor's cosines over a rank's samples, and a rank "
              f"trains {per_rank} per step: raise --train_batch_size or --num_generations, or give a fixed --jagg_frac")
     if args.jagg_monitor_samples > per_rank:
-        print_on_rank0(f"notice: the JAGG monitor measures the {per_rank} samples a rank trains per step "
-                       f"(--jagg_monitor_samples {args.jagg_monitor_samples} asks for more)")
+        if args.jagg_monitor_every:
+            print_on_rank0(f"notice: the JAGG monitor measures the {per_rank} samples a rank trains per step "
+                           f"(--jagg_monitor_samples {args.jagg_monitor_samples} asks for more)")
         args.jagg_monitor_samples = per_rank
 
 

@@ -167,7 +167,8 @@ def main(argv=None):
 
     def checked_main(args):
         preflight(args, jagg, family, trainer)
-        if jagg.jagg_monitor_samples != config.monitor_samples:   # lowered to what a rank trains: the update too
+        if config.monitor_every and jagg.jagg_monitor_samples != config.monitor_samples:
+            # lowered to the samples a rank trains: the update measures that many too
             apply(module, config.replace(monitor_samples=jagg.jagg_monitor_samples),
                   allow_upstream_changes=jagg.jagg_allow_upstream_changes)
         return upstream_main(args)
