@@ -59,7 +59,7 @@ def spread(values):
 class Monitor:
     """Measures JAGG's fidelity beside the run's own update."""
 
-    def __init__(self, every, samples=2, alpha="timestep", backward="split"):
+    def __init__(self, every, samples, alpha="timestep", backward="split"):
         # every >= 0 and samples >= 1: checked where the settings are made (jagg_patch.config.JaggConfig)
         self.every, self.samples, self.alpha, self.backward = every, samples, alpha, backward
         self._step, self._taken, self._values, self._seconds = None, 0, defaultdict(list), 0.0
