@@ -31,7 +31,8 @@ class RatioMeter:
         self.reset()
 
     def reset(self):
-        self._sums = None    # float64 [count, sum r, clipped, sum 0.5 d^2, min r, -max r]
+        self._count = 0      # transitions recorded (a host count: no device tensor per record)
+        self._sums = None    # float64 on the device: [sum r, clipped, sum 0.5 d^2, min r, -max r]
         self.kept = []       # (sample indices [m], transitions [m], ratios [m]) per record, with keep
 
     @contextlib.contextmanager
@@ -51,13 +52,13 @@ class RatioMeter:
             delta = log_prob.detach() - old_log_prob
             ratio = torch.exp(delta)   # the loss's own float32 ratio, so clip_frac counts what the clip sees
             ratio64, delta64 = ratio.double(), delta.double()
-            row = torch.stack([torch.tensor(float(ratio.numel()), dtype=torch.float64, device=ratio.device),
-                               ratio64.sum(), ((ratio - 1).abs() > clip_range).double().sum(),
+            row = torch.stack([ratio64.sum(), ((ratio - 1).abs() > clip_range).double().sum(),
                                0.5 * (delta64 ** 2).sum(), ratio64.min(), -ratio64.max()])
+        self._count += ratio.numel()
         if self._sums is None:
             self._sums = row
         else:
-            self._sums = torch.cat([self._sums[:4] + row[:4], torch.minimum(self._sums[4:], row[4:])])
+            self._sums = torch.cat([self._sums[:3] + row[:3], torch.minimum(self._sums[3:], row[3:])])
         if self.keep:
             self.kept.append(tuple(None if t is None else t.detach().cpu() for t in (samples, transitions, ratio)))
 
@@ -66,14 +67,14 @@ class RatioMeter:
         rank recorded anything."""
         import torch.distributed as dist
         sums = self._sums if self._sums is not None else torch.tensor(
-            [0.0, 0.0, 0.0, 0.0, math.inf, math.inf], dtype=torch.float64)
-        sums = sums.to(device)
+            [0.0, 0.0, 0.0, math.inf, math.inf], dtype=torch.float64)
+        totals = torch.cat([torch.tensor([float(self._count)], dtype=torch.float64), sums[:3].cpu()]).to(device)
+        extremes = sums[3:].to(device).clone()
         if dist.is_available() and dist.is_initialized():
-            totals, extremes = sums[:4].clone(), sums[4:].clone()
             dist.all_reduce(totals)
             dist.all_reduce(extremes, op=dist.ReduceOp.MIN)
-            sums = torch.cat([totals, extremes])
-        count, ratio_sum, clipped, kl_sum, low, neg_high = sums.tolist()
+        count, ratio_sum, clipped, kl_sum = totals.tolist()
+        low, neg_high = extremes.tolist()
         if count == 0:
             return {}
         return {"ratio_mean": ratio_sum / count, "ratio_min": low, "ratio_max": -neg_high,
