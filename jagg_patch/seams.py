@@ -53,6 +53,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.algo.grpo", "ppo_clip_loss", ("log_prob", "old_log_prob", "advantages", "clip_range", "adv_clip_max")),
     ("dancegrpo.algo.grpo", "select_train_steps", ("num_samples", "num_transitions", "timestep_fraction", "generator")),
     ("dancegrpo.algo.grpo", "wants_rollout_outputs", ("update",)),
+    ("dancegrpo.algo.objective", "measured_apart", ("counter", "ratio_meter")),
     ("dancegrpo.algo.ratio_stats", "RatioMeter", None),
     ("dancegrpo.algo.rollout", "predict_velocity", ("ctx", "latents", "timesteps", "cond")),
     ("dancegrpo.utils.activation_meter", "ActivationMeter", None),

@@ -37,10 +37,10 @@ def grpo_one_step(ctx, rollout, cond, sample_idx, index):
 
 
 @contextlib.contextmanager
-def measured_apart(ctx):
-    """A measurement beside the update (JAGG's monitor): its transformer passes and its ratios are
-    kept out of the step's own counts and statistics."""
-    with ctx.counter.apart() if ctx.counter is not None else contextlib.nullcontext(), ctx.ratio_meter.apart():
+def measured_apart(counter, ratio_meter):
+    """A measurement beside the update (JAGG's monitor): its transformer passes (counter, a PassCounter
+    or None) and its ratios are kept out of the step's own counts and statistics."""
+    with counter.apart() if counter is not None else contextlib.nullcontext(), ratio_meter.apart():
         yield
 
 
@@ -83,7 +83,7 @@ def make_update_batch(ctx, rollout, cond, advantages, sample_idx, steps, normali
                        rollout_output=rollout_output if rollout.outputs is not None else None, on_policy=on_policy,
                        predict_batched=predict_batched, step=ctx.step,
                        parameters=lambda: [p for p in ctx.transformer.parameters() if p.requires_grad],
-                       counted_apart=lambda: measured_apart(ctx),
+                       counted_apart=lambda: measured_apart(ctx.counter, ctx.ratio_meter),
                        gradient_probe=ctx.engine.gradient_probe)
 
 

@@ -436,8 +436,8 @@ def format_report(r):
         "",
         f"Unit costs per micro-batch: F_grad {u['f_grad'] * 1e3:.1f} ms, F_nograd {u['f_nograd'] * 1e3:.1f} ms, "
         f"B {u['backward'] * 1e3:.1f} ms, joint B of 2 graphs {u['joint_backward_2'] * 1e3:.1f} ms "
-        f"({u['joint_backward_2'] / u['backward']:.2f} B); B = {u['backward'] / u['f_grad']:.2f} F_grad "
-        f"(gradient checkpointing adds the recompute of a forward). Rollout {r['rollout_s']:.3f} s.",
+        f"({u['joint_backward_2'] / u['backward']:.2f} B); B = {u['backward'] / u['f_grad']:.2f} F_grad"
+        f"{' (with the recompute of its forward)' if r.get('checkpointing') else ''}. Rollout {r['rollout_s']:.3f} s.",
         "",
         "| mode | update s | predicted s | authors' schedule s | update speedup | ratio | step s (rollout + update) "
         "| step speedup | activation peak MB |",

@@ -135,26 +135,22 @@ def read_json_lines(path, warn=warn):
     return records
 
 
+def _over(records, field, reduce=statistics.median):
+    """reduce() of a field's numbers over the records; NaN where no record holds one."""
+    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
+    return reduce(values) if values else float("nan")
+
+
 def _median(records, field):
-    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
-    return statistics.median(values) if values else float("nan")
-
-
-def _mean(records, field):
-    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
-    return statistics.fmean(values) if values else float("nan")
-
-
-def _extreme(records, field, pick):
-    values = [r[field] for r in records if isinstance(r.get(field), (int, float))]
-    return pick(values) if values else float("nan")
+    return _over(records, field)
 
 
 def ratio_statistics(records):
     """The PPO statistics over the run (dancegrpo.algo.ratio_stats; NaN where a run logged none):
     clip_frac and approx_kl as the mean over steps, the ratio's range over every step."""
-    return dict(clip_frac=_mean(records, "clip_frac"), approx_kl=_mean(records, "approx_kl"),
-                ratio_min=_extreme(records, "ratio_min", min), ratio_max=_extreme(records, "ratio_max", max))
+    return dict(clip_frac=_over(records, "clip_frac", statistics.fmean),
+                approx_kl=_over(records, "approx_kl", statistics.fmean),
+                ratio_min=_over(records, "ratio_min", min), ratio_max=_over(records, "ratio_max", max))
 
 
 def nonfinite_steps(records):

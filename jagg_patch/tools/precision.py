@@ -82,6 +82,7 @@ def ratio_part(ctx, args, prepared, config, update_precision):
     finally:
         ctx.args.mixed_precision = run_precision
         ctx.transformer.zero_grad(set_to_none=True)
+        ctx.ratio_meter = RatioMeter()   # the parts after this one keep no ratios
     reference = result["vanilla"]["clipped"]
     for entry in result.values():
         clipped = entry.pop("clipped")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
+from dancegrpo.algo.objective import measured_apart
 from dancegrpo.algo.ratio_stats import RatioMeter
 from dancegrpo.utils.metrics import PassCounter, first_tensor, phase_times, reward_summary, update_counts
 
@@ -121,17 +122,11 @@ def optimizer_step(family, transformer, optimizer, lr_scheduler, max_grad_norm):
     return grad_norm
 
 
-def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, step=0, counter=None, ratios=None):
+def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, ratios, step=0, counter=None):
     """The UpdateBatch of sample i (a micro-batch of one). `last` keeps the latest ratio and loss;
     `ratios` (a RatioMeter) the step's ratio statistics; `step` (the training step) and `counter`
     (the step's PassCounter) serve the monitor."""
     args = traj.args
-    ratios = RatioMeter() if ratios is None else ratios
-
-    @contextlib.contextmanager
-    def apart():   # the monitor's passes and ratios are not the step's
-        with counter.apart() if counter is not None else contextlib.nullcontext(), ratios.apart():
-            yield
 
     def grpo_one_step(ks, model):
         """upstream's grpo_one_step on sample i's transitions ks (each a LongTensor [1]), stacked."""
@@ -166,11 +161,11 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, s
 
     return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=traj.timesteps / 1000,
                        subset=lambda rows: sample_batch(module, family, traj, i, steps[rows], on_policy,
-                                                        transformer, last, step, counter, ratios),
+                                                        transformer, last, ratios, step, counter),
                        rollout_output=rollout_output if traj.outputs is not None else None, on_policy=on_policy,
                        predict_batched=predict_batched, step=step,
                        parameters=lambda: [p for p in transformer.parameters() if p.requires_grad],
-                       counted_apart=apart)
+                       counted_apart=lambda: measured_apart(counter, ratios))
 
 
 def rollout(module, family_name, update, named, rows=1):
@@ -225,7 +220,7 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
         t_update, stats, total_loss, grad_norm, optimizer_steps, last = time.time(), UpdateStats(), 0.0, None, 0, {}
         for i in range(num_samples):
             sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
-                                               transformer, last, step, counter, ratios))
+                                               transformer, last, ratios, step, counter))
             stats += sample_stats
             loss = _mean_over_ranks(sample_stats.loss, device)
             if not math.isfinite(loss):
