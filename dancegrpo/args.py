@@ -272,6 +272,14 @@ def validate_args(args):
     check_precision(args.mixed_precision)
     if args.use_group and args.num_generations < 2:
         raise ValueError("--use_group needs --num_generations >= 2")
+    per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
+    if args.gradient_accumulation_steps > per_rank:
+        # the optimizer steps once per GA samples, the loss divided by GA: fewer samples would train
+        # on a loss scaled down by per_rank / GA (upstream's own step fails on it instead)
+        raise ValueError(f"--gradient_accumulation_steps {args.gradient_accumulation_steps} exceeds the {per_rank} "
+                         "samples a rank trains per step (--train_batch_size x --num_generations with --use_group): "
+                         "the loss would be scaled down by their ratio; lower it to at most "
+                         f"{per_rank}")
     validate_flow_grpo_args(args)
     validate_lora_args(args)
     validate_engine_args(args)

@@ -46,6 +46,7 @@ class TrainContext:
     ratio_meter: RatioMeter = field(default_factory=RatioMeter)   # the step's PPO ratio statistics
     resumed_update_state: object = None   # what the resumed checkpoint saved of the policy update
     resumed_from: str = None          # the checkpoint folder the run resumed from
+    saved_since_resume: bool = False  # a checkpoint of this run is whole: the one resumed from may go
     dataset: object = None            # the prompt-embedding dataset (the sample grids' prompts)
     num_params: int = 0               # the transformer's parameters, and those trained
     num_trainable: int = 0

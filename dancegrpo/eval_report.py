@@ -6,6 +6,7 @@ import os
 import sys
 
 from .errors import ConfigError
+from .utils.atomic import write_atomically
 
 
 def table_header(metric_names):
@@ -57,7 +58,12 @@ def merged_summaries(earlier, summaries):
 
 
 def write_comparison(output_dir, names, summaries):
-    with open(os.path.join(output_dir, "table.md"), "w") as f:
-        f.write(table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n")
-    with open(os.path.join(output_dir, "comparison.json"), "w") as f:
-        json.dump(summaries, f, indent=1)
+    table = table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n"
+    write_atomically(os.path.join(output_dir, "table.md"), lambda tmp: _write_text(tmp, table))
+    write_atomically(os.path.join(output_dir, "comparison.json"),
+                     lambda tmp: _write_text(tmp, json.dumps(summaries, indent=1)))
+
+
+def _write_text(path, text):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)

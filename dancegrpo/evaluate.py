@@ -32,6 +32,7 @@ row); one of other metrics is refused.
 import argparse
 import contextlib
 import csv
+import errno
 import json
 import math
 import os
@@ -54,6 +55,8 @@ from .run.finite import nonfinite_parameters
 from .run.readers import ReaderLock, run_folder_of
 from .run.rundir import RunLock
 from .rewards import RewardNotFiniteError, WeightedReward, add_reward_args, parse_reward_spec
+from .utils.atomic import write_atomically
+from .utils.checkpoint import CONFIG_NAME
 from .utils.samples import tile
 
 DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream's Flux training geometry
@@ -260,14 +263,10 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
             if p < args.grid_max_prompts:
                 grid_images.append(im)
             if args.save_images:
-                im.save(os.path.join(out_dir, "images", f"p{p:04d}_i{k:02d}.png"))
-    with open(os.path.join(out_dir, "scores.csv"), "w", newline="", encoding="utf-8") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
-    tile(grid_images, args.num_images_per_prompt, max_side=args.grid_tile, background="white").save(
-        os.path.join(out_dir, "grid.png"))
+                write_atomically(os.path.join(out_dir, "images", f"p{p:04d}_i{k:02d}.png"), im.save)
+    write_atomically(os.path.join(out_dir, "scores.csv"), lambda tmp: write_scores(tmp, rows))
+    grid = tile(grid_images, args.num_images_per_prompt, max_side=args.grid_tile, background="white")
+    write_atomically(os.path.join(out_dir, "grid.png"), grid.save)
     metrics = {}
     for n in names:
         vals = torch.tensor([r[n] for r in rows], dtype=torch.float64)
@@ -283,9 +282,21 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
         "generate_time_s": t_gen, "score_time_s": t_score, "device": str(device),
         "precision": describe_precision(device, args.mixed_precision),
     }
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+    write_atomically(os.path.join(out_dir, "summary.json"), lambda tmp: _dump_json(summary, tmp))
     return summary
+
+
+def write_scores(path, rows):
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
+
+
+def _dump_json(obj, path):
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
 
 
 def run(args, stack):
@@ -301,8 +312,11 @@ def run(args, stack):
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(str(e)) from None
     prompt_ids = select_prompts(args, dataset)
-    for _, path in args.checkpoints:  # fail before any expensive work
+    for label, path in args.checkpoints:  # fail before any expensive work
         precheck_checkpoint(path, args.pretrained_model_name_or_path, transformer_cls)
+        note = preset_mismatch(label, path, args.preset)
+        if note:
+            print(f"warning: {note}", file=sys.stderr, flush=True)
     names = [n for n, _ in args.metric_terms]
     os.makedirs(args.output_dir, exist_ok=True)
     lock = RunLock(args.output_dir, "dancegrpo.evaluate").acquire()   # one writer of table.md at a time
@@ -330,6 +344,21 @@ def run(args, stack):
     return summaries
 
 
+def preset_mismatch(label, path, preset):
+    """One line when the checkpoint's run (its run_config.json) trained on another preset than the one
+    evaluated with: the prompts, geometry and reward then are not the ones it learned; None otherwise."""
+    try:
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            trained = json.load(f).get("preset")
+    except (OSError, ValueError):
+        return None   # not a trainer checkpoint (a base model, an upstream checkpoint): nothing recorded
+    if trained == preset:
+        return None
+    said = lambda name: f"--preset {name}" if name else "no preset"   # noqa: E731
+    return (f"{label}: trained with {said(trained)} ({CONFIG_NAME}), evaluated with {said(preset)}: its prompts, "
+            "geometry and reward may not be the ones it learned")
+
+
 def hold_run_folders(checkpoints, stack):
     """A reader's lock on each run folder the checkpoints lie in (dancegrpo.run.readers), held until
     the evaluation ends: a run starting there with --overwrite_output_dir, or pruning with
@@ -353,6 +382,13 @@ def main(argv=None):
     except (EvalError, FileNotFoundError, ValueError, ImportError, RewardNotFiniteError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        print(f"stopped: no space left to write {e.filename or 'a file'} in {args.output_dir!r} ({e.strerror}); "
+              "every file there is whole (each is written under a temporary name, then renamed), table.md "
+              "lists the checkpoints scored before. Free space and run the evaluation again", file=sys.stderr)
+        raise SystemExit(3) from None
 
 
 if __name__ == "__main__":

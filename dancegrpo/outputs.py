@@ -29,14 +29,18 @@ def save(ctx, step, update_state=None):
     if ctx.ema is not None:
         with ctx.ema.swapped_in():
             ema_state = ctx.engine.full_state(weights_format.trainable_only)
-    out, limit, resumed = ctx.args.output_dir, ctx.args.checkpoints_total_limit, ctx.resumed_from
+    out, limit = ctx.args.output_dir, ctx.args.checkpoints_total_limit
+    # The checkpoint resumed from is spared until this run has written a whole one of its own; from
+    # then on the limit counts it like any other, so a disk that holds two keeps a limit of 1 running.
+    resumed = None if ctx.saved_since_resume else ctx.resumed_from
     if ctx.rank == 0 and limit:   # retention before the write: the disk never needs room for the limit + 1
         _retain(out, lambda: ckpt.make_room(out, limit, ckpt.checkpoint_dir(out, step), protect=(resumed,)))
     path = ckpt.save_checkpoint(out, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
                                 ema_state=ema_state, extra_state={"seed": ctx.seed, "policy_update": update_state},
                                 run_config=snapshot(ctx.args, ctx.seed, ctx.world_size), weights_format=weights_format)
+    ctx.saved_since_resume = True
     if ctx.rank == 0 and limit:
-        _retain(out, lambda: ckpt.prune_checkpoints(out, limit, protect=(path, resumed)))
+        _retain(out, lambda: ckpt.prune_checkpoints(out, limit, protect=(path,)))
     return path
 
 

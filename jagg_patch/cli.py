@@ -9,7 +9,7 @@ import torch
 from dancegrpo.utils.communications import launch_world_size, print_on_rank0
 from dancegrpo.utils.precision import bytes_per_output
 
-from .config import MONITOR_SAMPLES, JaggConfig
+from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig
 from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
 
 from .plan import describe_plan, group_cost, num_trained_windows, plan_groups, plan_windows
@@ -87,10 +87,10 @@ def add_jagg_args(parser):
                         "every position is exact until the first measurement (step 1); needs the monitor "
                         "(--jagg_monitor_every, 10 if not given). The routing is logged each step as jagg_routed "
                         "(bit p: position p runs JAGG) and printed when it changes.")
-    g.add_argument("--jagg_min_cos", type=_cosine, default=0.8,
-                   help="With --jagg_frac auto: a position runs JAGG once the lower 95%% bound of its cosine reaches "
-                        "this, and leaves JAGG when the upper bound falls below it (a bound across it changes "
-                        "nothing).")
+    g.add_argument("--jagg_min_cos", type=_cosine, default=None,
+                   help=f"With --jagg_frac auto (default {DEFAULT_MIN_COS}): a position runs JAGG once the lower 95%% "
+                        "bound of its cosine reaches this, and leaves JAGG when the upper bound falls below it (a "
+                        "bound across it changes nothing).")
     g.add_argument("--jagg_mode", choices=MODES, default="jagg",
                    help="jagg: interpolated Jacobians (the method); endpoints: the paper's ablation "
                         "(backward at the two endpoints only, each weighted W/2); exact: per-step backward "
@@ -115,12 +115,12 @@ def add_jagg_args(parser):
                         "the same output (exact; all samples when GA covers the rollout); always: also after "
                         "(stale outputs, an approximation); off: forward every middle member. Keeps S model "
                         "outputs per sample (the size of the stored latents).")
-    g.add_argument("--jagg_monitor_every", type=_count, default=0,
+    g.add_argument("--jagg_monitor_every", type=_count, default=None,
                    help="N > 0: at step 1 and every N steps, measure on the step's own samples the exact gradient "
                         "of every group position next to JAGG's and the endpoints ablation's, and log cos and "
                         "relative error per position (jagg_cos/g0, ...; jagg_patch.monitor). The training is "
                         "unchanged; the extra passes are counted apart (monitor_forwards / monitor_backwards). "
-                        "0: off.")
+                        f"0 or not given: off (with --jagg_frac auto: {AUTO_MONITOR_EVERY} if not given, 0 refused).")
     g.add_argument("--jagg_monitor_samples", type=_positive, default=MONITOR_SAMPLES,
                    help="Samples the monitor measures on per rank, the step's first (over its first micro-batches "
                         "when one holds fewer); --jagg_frac auto needs >= 2 (the spread its bound is made of).")
@@ -130,22 +130,36 @@ def add_jagg_args(parser):
 def jagg_config(args):
     """The JaggConfig of the parsed JAGG flags, after the checks that need the trainer's geometry
     (check_trajectory); a bad combination is one line, exit 2."""
+    monitor_for_auto(args)
     try:
         return JaggConfig.from_args(args)
     except ValueError as e:
         fail(str(e))
 
 
-AUTO_MONITOR_EVERY = 10
 
 
 def monitor_for_auto(args):
-    """--jagg_frac auto routes by the monitor's cosines: without --jagg_monitor_every it measures every
-    AUTO_MONITOR_EVERY steps (said once)."""
-    if args.jagg_frac == "auto" and not args.jagg_monitor_every:
+    """Resolve --jagg_monitor_every and --jagg_min_cos, which default to "not given" (None) so that what
+    was asked is known: --jagg_frac auto routes by the monitor's cosines, measured every
+    AUTO_MONITOR_EVERY steps unless N >= 1 is given (said once) and refused with 0, which turns the
+    monitor off; --jagg_min_cos is auto's threshold, said unused beside a fixed --jagg_frac. Idempotent."""
+    if getattr(args, "_jagg_monitor_resolved", False):
+        return
+    auto = args.jagg_frac == "auto"
+    if auto and args.jagg_monitor_every == 0:
+        fail("--jagg_frac auto routes by the monitor's measurements, which --jagg_monitor_every 0 turns off: give "
+             f"N >= 1 (or leave it out: {AUTO_MONITOR_EVERY}), or a fixed --jagg_frac")
+    if auto and args.jagg_monitor_every is None:
         args.jagg_monitor_every = AUTO_MONITOR_EVERY
         print_on_rank0(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with "
                        f"--jagg_monitor_every {AUTO_MONITOR_EVERY} (give another N to change it)")
+    if not auto and args.jagg_min_cos is not None:
+        print_on_rank0(f"notice: --jagg_min_cos is the threshold of --jagg_frac auto; with --jagg_frac "
+                       f"{args.jagg_frac} it is not used")
+    args.jagg_monitor_every = args.jagg_monitor_every or 0
+    args.jagg_min_cos = DEFAULT_MIN_COS if args.jagg_min_cos is None else args.jagg_min_cos
+    args._jagg_monitor_resolved = True
 
 
 def monitor_samples_for_batch(args):
@@ -190,8 +204,12 @@ def jagg_plan_text(args, output_bytes=None):
     n_vanilla = window or num_train_timesteps(num_transitions, args.timestep_fraction)
     backward = resolve_backward(args.jagg_backward)
     shown = backward if args.jagg_backward != "auto" else f"auto -> {backward}"
+    window_shown = args.jagg_window
+    if args.jagg_grouping == "trained" and args.jagg_window > n_vanilla:
+        # a sample trains fewer transitions than the window: its one group is all of them
+        window_shown = f"{args.jagg_window} -> {n_vanilla}, the {n_vanilla} transitions a sample trains"
     head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {shown}, "
-            f"mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
+            f"mode {args.jagg_mode}, window {window_shown}, jagg_frac {args.jagg_frac}): "
             f"S={args.sampling_steps} -> {num_transitions} trainable transitions; ")
     if args.jagg_grouping == "trained":
         groups = plan_groups(range(n_vanilla), args.jagg_window, _plan_fraction(args))

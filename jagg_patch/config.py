@@ -19,6 +19,8 @@ from .routing import AUTO
 # Measured (docs/jagg.md, "Routing by a measurement"): at 8 samples repeated measurements of one model route
 # alike wherever its cosines lie further from min_cos than their own noise; at 2, one pair in two did.
 MONITOR_SAMPLES = 8
+AUTO_MONITOR_EVERY = 10   # --jagg_frac auto without --jagg_monitor_every: a measurement every 10 steps
+DEFAULT_MIN_COS = 0.8
 
 
 @dataclass(frozen=True)
@@ -32,7 +34,7 @@ class JaggConfig:
     reuse: str = "on_policy"       # core.REUSE_MODES: middle members' outputs from the rollout
     monitor_every: int = 0         # the live fidelity monitor at step 1 and every N steps; 0: off
     monitor_samples: int = MONITOR_SAMPLES   # the step's first samples it measures on (auto: >= 2)
-    min_cos: float = 0.8           # with jagg_frac "auto": the smoothed cosine a position needs
+    min_cos: float = DEFAULT_MIN_COS   # with jagg_frac "auto": the smoothed cosine a position needs
 
     def __post_init__(self):
         validate_jagg_config(self.window, self.jagg_frac, self.mode, self.alpha, self.backward, self.grouping,
@@ -69,11 +71,15 @@ class JaggConfig:
 
     @classmethod
     def from_args(cls, args):
-        """The config of the parsed --jagg_* flags (jagg_patch.cli.add_jagg_args)."""
+        """The config of the parsed --jagg_* flags (jagg_patch.cli.add_jagg_args); the two flags that default
+        to "not given" (None) take their defaults here (jagg_patch.cli.monitor_for_auto says them)."""
+        every, min_cos = args.jagg_monitor_every, args.jagg_min_cos
+        if every is None:
+            every = AUTO_MONITOR_EVERY if args.jagg_frac == AUTO else 0
         return cls(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
                    backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout,
-                   monitor_every=args.jagg_monitor_every, monitor_samples=args.jagg_monitor_samples,
-                   min_cos=args.jagg_min_cos)
+                   monitor_every=every, monitor_samples=args.jagg_monitor_samples,
+                   min_cos=DEFAULT_MIN_COS if min_cos is None else min_cos)
 
 
 def as_config(config=None, **settings):

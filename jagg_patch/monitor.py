@@ -63,6 +63,11 @@ class Monitor:
         # every >= 0 and samples >= 1: checked where the settings are made (jagg_patch.config.JaggConfig)
         self.every, self.samples, self.alpha, self.backward = every, samples, alpha, backward
         self._step, self._taken, self._values, self._seconds = None, 0, defaultdict(list), 0.0
+        self._unscheduled = False
+
+    def measure_this_step(self):
+        """Measure at the next step begun, whatever its number (a routing that starts afresh mid-run)."""
+        self._unscheduled = True
 
     def due(self, batch):
         """Whether this micro-batch is measured: in step 1 and every `every`-th step, the first
@@ -72,7 +77,8 @@ class Monitor:
             return False
         if batch.step != self._step:
             self._step, self._values, self._seconds = batch.step, defaultdict(list), 0.0
-            measured_step = batch.step == 1 or batch.step % self.every == 0
+            measured_step = batch.step == 1 or batch.step % self.every == 0 or self._unscheduled
+            self._unscheduled = False
             self._taken = 0 if measured_step else self.samples
         return self._taken < self.samples
 

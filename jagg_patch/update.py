@@ -101,8 +101,14 @@ def make_policy_update(config=None, **settings):
         for sub, cols, group in batch_groups(batch, config.window, 1.0, config.grouping):
             yield sub, cols, dataclasses.replace(group, jagg=group.jagg and routing.routes(group.index))
 
+    restored, layout = {}, {}   # a checkpoint's routing, applied at the first batch, once its layout is known
+
     def policy_update(batch):
         stats = UpdateStats()
+        if routing is not None:
+            if "state" in restored:
+                _restore_routing(routing, monitor, restored.pop("state"), _layout(config, batch))
+            layout.update(_layout(config, batch))
         if monitor is not None and monitor.due(batch):   # before the update: its gradient stays the run's own
             measured, complete = monitor.measure(batch, every_group, group_backward)
             stats.metrics.update(measured)
@@ -123,9 +129,29 @@ def make_policy_update(config=None, **settings):
     if routing is not None:
         # What the update carries across steps, saved with each checkpoint (dancegrpo.algo.grpo.update_state):
         # the routing alone; the monitor's cadence follows the step number.
-        policy_update.state_dict = lambda: {"routing": routing.state_dict()}
-        policy_update.load_state_dict = lambda state: routing.load_state_dict(state["routing"])
+        # With the groups' layout, which the routed positions index: a resume with another window,
+        # grouping or number of trained transitions starts its routing afresh.
+        policy_update.state_dict = lambda: {"routing": routing.state_dict(), "layout": dict(layout)}
+        policy_update.load_state_dict = lambda state: restored.update(state=state)
     return policy_update
+
+
+def _layout(config, batch):
+    """What a group position means: the window, the grouping and the trained transitions per sample."""
+    return {"window": config.window, "grouping": config.grouping, "trained": int(batch.steps.shape[1])}
+
+
+def _restore_routing(routing, monitor, state, layout):
+    """Load a checkpoint's routing if its positions are this run's groups; otherwise start afresh (every
+    position exact) and measure at this step rather than at the next scheduled one."""
+    saved = state.get("layout") or {}
+    if saved and saved != layout:
+        changed = ", ".join(f"{k} {saved.get(k)} -> {v}" for k, v in layout.items() if saved.get(k) != v)
+        print_on_rank0(f"notice: the checkpoint's --jagg_frac auto routing was measured on other groups ({changed}): "
+                       "it starts afresh, every position exact until measured at this step")
+        monitor.measure_this_step()
+    else:
+        routing.load_state_dict(state["routing"])
 
 
 def make_window_selection(window):

@@ -18,8 +18,9 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "slow: tens of seconds of runs or processes (learning checks, scripts, "
-                                       "two-rank launches); still run in CI, started first under -n")
+    config.addinivalue_line("markers", "slow: the slow tier (learning checks, script smokes, kill-resume loops, "
+                                       "multi-rank runs), left out unless `-m slow` (or `-m \"\"`) is given; "
+                                       ".ci/run runs it after the fast tier")
     # Set on the units below; pytest-xdist registers it too, where it runs.
     config.addinivalue_line("markers", "xdist_group(name): a work unit that stays on one worker under -n")
     # With workers (-n N): whole work units (loadgroup), in the order given below (no reordering). These

@@ -78,6 +78,9 @@ def test_empty_prompt_list_is_a_clear_error(make_args, tmp_path):
     (["--timestep_fraction", "0"], "timestep_fraction"),
     (["--timestep_fraction", "1.5"], "timestep_fraction"),
     (["--eta", "0"], "--eta must be > 0"),
+    # tiny: 2 prompts x 4 generations per rank: a GA of 16 would train on a loss scaled by 8 / 16
+    (["--train_batch_size", "2", "--num_generations", "4", "--gradient_accumulation_steps", "16"],
+     "--gradient_accumulation_steps 16 exceeds the 8 samples a rank trains per step"),
 ])
 def test_bad_flags_exit_with_message(make_args, capsys, flags, message):
     with pytest.raises(SystemExit) as exc:

@@ -137,6 +137,7 @@ def test_evaluate_prompt_file_selects_by_caption(cache_dir, tmp_path):
     ("empty", "holds no prompts"),
     ("unmatched", "have no embedding"),
     ("bad_checkpoint", "neither a transformer folder"),
+    ("missing_checkpoint", "does not exist"),
     ("bad_metric", "Unknown reward"),
     ("missing_clip", "--clipscore_model_path"),
 ])
@@ -148,6 +149,8 @@ def test_evaluate_bad_input_names_the_fix(cache_dir, tmp_path, capsys, case, mes
         extra = ["--prompt_file", str(pf)]
     elif case == "bad_checkpoint":
         extra = ["--checkpoint", str(tmp_path)]
+    elif case == "missing_checkpoint":
+        extra = ["--checkpoint", str(tmp_path / "nowhere")]
     elif case == "bad_metric":
         extra = ["--metrics", "nope"]
     else:
@@ -192,3 +195,65 @@ def test_evaluate_flags_a_checkpoint_with_nan_weights(cache_dir, tmp_path, capsy
     table = (tmp_path / "cmp" / "table.md").read_text()
     assert "| diverged (NON-FINITE) | 0 | n/a |" in table
     assert "diverged: 1 weight tensor(s) hold NaN/inf" in capsys.readouterr().err
+
+
+def test_a_pruned_checkpoint_is_said_missing_naming_what_its_run_holds(cache_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoint-6-0").mkdir(parents=True)
+    with pytest.raises(SystemExit) as exc:
+        _run(cache_dir, tmp_path / "o", "--checkpoint", str(run / "checkpoint-2-0"))
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert "checkpoint-2-0' does not exist (a run's --checkpoints_total_limit may have deleted it)" in err
+    assert err.endswith("holds checkpoint-6-0")
+
+
+def test_another_familys_checkpoint_is_refused_before_the_folder_is_made(cache_dir, tmp_path, capsys):
+    _run(cache_dir, tmp_path / "warm", "--max_prompts", "1")
+    root = os.path.join(cache_dir, "presets")
+    flux = os.path.join(root, next(d for d in os.listdir(root) if d.startswith("flux-tiny")))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        _run(cache_dir, tmp_path / "o", "--family", "qwenimage", "--checkpoint", f"flux={flux}")
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2 and "pick the matching --family" in err and len(err.strip().splitlines()) == 1
+    assert "|" not in out and not (tmp_path / "o").exists()   # no table header printed, no folder made
+
+
+def test_a_checkpoint_trained_on_another_preset_is_warned_about(cache_dir, tmp_path, capsys):
+    root = os.path.join(cache_dir, "presets")
+    _run(cache_dir, tmp_path / "warm", "--max_prompts", "1")
+    preset = os.path.join(root, next(d for d in os.listdir(root) if d.startswith("flux-tiny")))
+    trained = tmp_path / "checkpoint-3-0"
+    import shutil
+    shutil.copytree(os.path.join(preset, "transformer"), trained)
+    (trained / "run_config.json").write_text(json.dumps({"preset": "digits", "family": "flux"}))
+    capsys.readouterr()
+    _run(cache_dir, tmp_path / "o", "--max_prompts", "1", "--checkpoint", f"t={trained}")
+    err = capsys.readouterr().err
+    assert "warning: t: trained with --preset digits (run_config.json), evaluated with --preset tiny" in err
+    (trained / "run_config.json").write_text(json.dumps({"preset": "tiny", "family": "flux"}))
+    _run(cache_dir, tmp_path / "o2", "--max_prompts", "1", "--checkpoint", f"t={trained}")
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_a_full_disk_is_one_line_exit_3_and_leaves_no_half_written_file(cache_dir, tmp_path, capsys, monkeypatch):
+    import errno
+    from PIL import Image as PILImage
+    real_save = PILImage.Image.save
+
+    def save(self, fp, *a, **kw):
+        real_save(self, fp, *a, **kw)
+        if not isinstance(fp, (str, os.PathLike)):
+            return   # the jpeg metric's in-memory encoding
+        with open(fp, "r+b") as f:   # half of it written, then the disk is full
+            f.truncate(os.path.getsize(fp) // 2)
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(PILImage.Image, "save", save)
+    with pytest.raises(SystemExit) as exc:
+        _run(cache_dir, tmp_path / "o", "--max_prompts", "1")
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 3 and len(err.splitlines()) == 1 and err.startswith("stopped: no space left")
+    assert "Traceback" not in err
+    written = sorted(os.listdir(tmp_path / "o" / "preset-tiny"))
+    assert written == ["scores.csv"], written   # no grid.png, no temporary beside it

@@ -5,9 +5,12 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_installed_package_runs_from_any_folder(tmp_path):
     src, target, elsewhere = tmp_path / "src", tmp_path / "site", tmp_path / "elsewhere"
     shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "cache_dir", "outputs", "runs", "build",

@@ -124,6 +124,7 @@ def test_multi_node_env_vars(script, tmp_path):
                         "--nproc_per_node=4"]
 
 
+@pytest.mark.slow
 def test_tiny_preset_runs_on_cpu(script, tmp_path, preset_cache):
     res = run_sh(script, {"PRESET": "tiny", "OUTPUT_DIR": str(tmp_path / "out"), "CACHE_DIR": preset_cache},
                  "--max_train_steps", "1", "--train_batch_size", "2", "--num_generations", "2",

@@ -14,8 +14,11 @@ files, and BUILD.json (settings, times, rates). The transformer is stopped early
 follows prompts only partly, so GRPO has work to do.
 """
 import argparse
+import errno
 import json
 import os
+import shutil
+import sys
 import time
 from types import SimpleNamespace
 
@@ -149,6 +152,37 @@ def build(family_name, out, vae_steps=300, transformer_steps=None, seed=0, log=p
     checking the path end to end."""
     world = digits_world(family_name, world_name)
     transformer_steps = world.transformer_steps if transformer_steps is None else transformer_steps
+    staging = staging_folder(out)   # before the training: an --out that cannot be written fails at once
+    try:
+        record = _build(world, family_name, world_name, staging, vae_steps, transformer_steps, seed, log, max_images)
+        replace_folder(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return record
+
+
+def staging_folder(out):
+    """A fresh folder beside `out`, where the build is written before it replaces `out` whole."""
+    parent = os.path.dirname(os.path.abspath(out))
+    os.makedirs(parent, exist_ok=True)
+    staging = f"{os.path.abspath(out)}.tmp-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    return staging
+
+
+def replace_folder(staging, out):
+    """`out` becomes the complete `staging`; an earlier build there is kept until then, and removed after."""
+    old = None
+    if os.path.exists(out):
+        old = f"{os.path.abspath(out)}.old-{os.getpid()}"
+        os.replace(out, old)
+    os.replace(staging, out)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _build(world, family_name, world_name, out, vae_steps, transformer_steps, seed, log, max_images):
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     (x, y), (test_x, _) = data.load_split()
@@ -175,7 +209,6 @@ def build(family_name, out, vae_steps=300, transformer_steps=None, seed=0, log=p
     record["heldout_rate_sde"] = correct_class_rate(family, transformer, vae, embeds, n=eval_samples, eta=0.3)
     log(f"held-out correct-class rate of samples: ODE {record['heldout_rate_ode']:.3f}, "
         f"SDE (eta 0.3) {record['heldout_rate_sde']:.3f}")
-    os.makedirs(out, exist_ok=True)
     transformer.save_pretrained(os.path.join(out, "transformer"))
     vae.save_pretrained(os.path.join(out, "vae"))
     items = world.save_embeddings(os.path.join(out, "data"), embeds)
@@ -199,8 +232,15 @@ def main(argv=None):
                    help="Keep only the first N images of each split and N evaluation samples: a quick check of "
                         "the build, not a model to use.")
     args = p.parse_args(argv)
-    return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed,
-                 log=lambda m: print(m, flush=True), max_images=args.max_images, world_name=args.world)
+    try:
+        return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed,
+                     log=lambda m: print(m, flush=True), max_images=args.max_images, world_name=args.world)
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        print(f"{'stopped' if full else 'error'}: cannot write the build into {args.out!r}: {e.strerror}"
+              f"{'' if full else f' ({e.filename})'}; nothing was written there (an earlier build in it is untouched)"
+              f"{': free space and build again' if full else ''}", file=sys.stderr, flush=True)
+        raise SystemExit(3 if full else 2) from None
 
 
 if __name__ == "__main__":

@@ -17,6 +17,8 @@ LORA_FILE = "pytorch_lora_weights.safetensors"
 def transformer_folder(path):
     """(folder, subfolder) of the transformer in a checkpoint or base model folder; (path, LORA_FILE)
     for a LoRA checkpoint (an adapter on the base model)."""
+    if not os.path.exists(path):
+        raise MissingFileError(f"checkpoint {path!r} does not exist{_what_is_beside(path)}")
     if os.path.isfile(os.path.join(path, LORA_FILE)):
         return path, LORA_FILE
     if os.path.isfile(os.path.join(path, "config.json")) and any(
@@ -29,11 +31,37 @@ def transformer_folder(path):
                       f"({LORA_FILE}), nor a base model folder with transformer/config.json")
 
 
+def _what_is_beside(path):
+    """For a missing checkpoint in a run folder (one a running run's --checkpoints_total_limit may have
+    pruned): the checkpoints that folder holds now."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.basename(os.path.normpath(path)).startswith("checkpoint-") or not os.path.isdir(folder):
+        return ""
+    held = sorted(name for name in os.listdir(folder) if name.startswith("checkpoint-") and not name.endswith(".tmp"))
+    return (f" (a run's --checkpoints_total_limit may have deleted it); {folder!r} holds "
+            f"{', '.join(held) if held else 'no checkpoint'}")
+
+
+def _class_problem(path, folder, sub, cls_name):
+    """A transformer folder that holds another family's model, in one line (None when it matches)."""
+    try:
+        with open(os.path.join(folder, sub or "", "config.json")) as f:
+            found = json.load(f).get("_class_name")
+    except (OSError, ValueError):
+        return None   # unreadable: the load names it
+    if found and found != cls_name:
+        return f"{path!r} holds a {found}, not a {cls_name}; pick the matching --family"
+    return None
+
+
 def precheck_checkpoint(path, base, cls_name):
     """Before anything loads: `path` is a transformer, and an adapter comes with its base and was
     recorded (when it was) as trained on this family's transformer and the base's architecture."""
     folder, sub = transformer_folder(path)
     if sub != LORA_FILE:
+        problem = _class_problem(path, folder, sub, cls_name)
+        if problem:
+            raise ConfigError(problem)
         return
     if not base:
         raise ConfigError(f"{path!r} is a LoRA adapter: pass --pretrained_model_name_or_path (its base model)")
@@ -65,10 +93,9 @@ def load_transformer(cls_name, path, device, base=None):
             raise ConfigError(str(e)) from None
         model.load_lora_adapter(folder, prefix="transformer", weight_name=LORA_FILE)
         return model.eval().requires_grad_(False)
-    with open(os.path.join(folder, sub or "", "config.json")) as f:
-        found = json.load(f).get("_class_name")
-    if found and found != cls_name:
-        raise ConfigError(f"{path!r} holds a {found}, not a {cls_name}; pick the matching --family")
+    problem = _class_problem(path, folder, sub, cls_name)
+    if problem:
+        raise ConfigError(problem)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = getattr(diffusers, cls_name).from_pretrained(folder, subfolder=sub, torch_dtype=dtype)
     return model.to(device).eval().requires_grad_(False)

@@ -4,6 +4,8 @@ import os
 
 import torch
 
+from ..errors import MissingFileError
+
 
 def option(options, name, default):
     """`options.name` when set (the trainer's argparse Namespace), else `default`; options may be None."""
@@ -27,7 +29,7 @@ def require_file(path, what, how_to_get):
     if not os.path.isfile(path):
         where = os.path.dirname(path) or "."
         state = "does not exist" if not os.path.isdir(where) else "exists but lacks it"
-        raise FileNotFoundError(f"{what}: file {path!r} not found (folder {where!r} {state}). {how_to_get}")
+        raise MissingFileError(f"{what}: file {path!r} not found (folder {where!r} {state}). {how_to_get}")
     return path
 
 

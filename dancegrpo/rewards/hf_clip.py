@@ -4,6 +4,7 @@ import os
 
 import torch
 
+from ..errors import MissingFileError
 from ._util import check_pairs, reward_autocast
 
 PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
@@ -13,12 +14,12 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 def _check_model_folder(path, flag, how_to_get):
     if not path or not os.path.isdir(path):
-        raise FileNotFoundError(f"{flag} {path!r} is not a folder. {how_to_get}")
+        raise MissingFileError(f"{flag} {path!r} is not a folder. {how_to_get}")
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
-        raise FileNotFoundError(f"{flag} {path!r} lacks config.json (not a transformers model folder). {how_to_get}")
+        raise MissingFileError(f"{flag} {path!r} lacks config.json (not a transformers model folder). {how_to_get}")
     if not any(os.path.isfile(os.path.join(path, f)) for f in WEIGHT_FILES):
-        raise FileNotFoundError(f"{flag} {path!r} lacks the weights (one of {', '.join(WEIGHT_FILES)}). {how_to_get}")
+        raise MissingFileError(f"{flag} {path!r} lacks the weights (one of {', '.join(WEIGHT_FILES)}). {how_to_get}")
     with open(config) as f:
         model_type = json.load(f).get("model_type")
     if model_type != "clip":
@@ -27,13 +28,13 @@ def _check_model_folder(path, flag, how_to_get):
 
 def _check_processor_folder(path, flag, how_to_get):
     if not path or not os.path.isdir(path):
-        raise FileNotFoundError(f"{flag} {path!r} is not a folder. {how_to_get}")
+        raise MissingFileError(f"{flag} {path!r} is not a folder. {how_to_get}")
     if not any(os.path.isfile(os.path.join(path, f)) for f in PROCESSOR_FILES):
-        raise FileNotFoundError(f"{flag} {path!r} lacks {' or '.join(PROCESSOR_FILES)} (not a CLIP processor "
+        raise MissingFileError(f"{flag} {path!r} lacks {' or '.join(PROCESSOR_FILES)} (not a CLIP processor "
                                 f"folder). {how_to_get}")
     if not (os.path.isfile(os.path.join(path, "tokenizer.json"))
             or os.path.isfile(os.path.join(path, "vocab.json"))):
-        raise FileNotFoundError(f"{flag} {path!r} lacks the tokenizer (tokenizer.json or vocab.json + merges.txt). "
+        raise MissingFileError(f"{flag} {path!r} lacks the tokenizer (tokenizer.json or vocab.json + merges.txt). "
                                 f"{how_to_get}")
 
 

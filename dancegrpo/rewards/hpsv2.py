@@ -22,6 +22,7 @@ import os
 
 import torch
 
+from ..errors import MissingFileError
 from ._util import as_device, check_pairs, cosine_pairs, option, require_file, reward_autocast
 
 HPS_FILE = "HPS_v2.1_compressed.pt"
@@ -45,7 +46,7 @@ def resolve_arch(arch):
     open_clip = _open_clip()
     if arch.endswith(".json"):
         if not os.path.isfile(arch):
-            raise FileNotFoundError(f"--hps_arch {arch!r}: no such open_clip config file")
+            raise MissingFileError(f"--hps_arch {arch!r}: no such open_clip config file")
         open_clip.add_model_config(arch)  # registered under the file's stem
         return os.path.splitext(os.path.basename(arch))[0]
     if arch not in open_clip.list_models():

@@ -133,7 +133,8 @@ def _disk_full_cause(error):
 
 
 FULL_DISK_ADVICE = ("Free space, or keep fewer checkpoints with --checkpoints_total_limit N (older ones are deleted "
-                    "before the next is written), then resume with --resume_from_checkpoint latest.")
+                    "before the next is written; the newest whole one stays until then, so the disk needs room "
+                    "for max(N, 2)), then resume with --resume_from_checkpoint latest.")
 
 
 def previous_kept(output_dir):

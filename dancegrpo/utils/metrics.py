@@ -160,6 +160,30 @@ def _metrics_upto(lines, step):
     return kept
 
 
+def drop_torn_tail(path):
+    """Cut a last line that lacks its newline (a write stopped mid-line: a kill, a full disk) off
+    `path`, in place, so the next appended line starts a line of its own. Truncating needs no space."""
+    if not os.path.isfile(path):
+        return
+    with open(path, "rb") as f:
+        data = f.read()
+    if data and not data.endswith(b"\n"):
+        os.truncate(path, data.rfind(b"\n") + 1)
+
+
+def append_line(path, line):
+    """Append `line` and its newline; if the write fails (ENOSPC, EDQUOT) the file is cut back to
+    its size before it, so no torn line is left, and the OSError is raised."""
+    size = os.path.getsize(path) if os.path.isfile(path) else 0
+    try:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    except OSError:
+        if os.path.isfile(path):
+            os.truncate(path, size)
+        raise
+
+
 def _rewrite_lines(path, keep):
     """Replace `path` by keep(its complete lines), atomically; only if that changes it."""
     if not os.path.isfile(path):

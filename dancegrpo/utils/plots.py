@@ -2,6 +2,8 @@
 runs side by side)."""
 import os
 
+from .atomic import write_atomically
+
 
 def moving_average(values, window):
     """Trailing mean; position i averages values[max(0, i - window + 1) : i + 1]."""
@@ -59,6 +61,8 @@ def save_figure(fig, path, title=None):
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=100))   # a full disk leaves no half PNG
+    finally:
+        plt.close(fig)
     return path

@@ -7,6 +7,7 @@ import torch
 from PIL import Image
 
 from ..algo.sampling import denoise, ode
+from .atomic import write_atomically
 
 COLUMNS = 4
 MAX_ROWS = 10
@@ -56,13 +57,5 @@ def tile(images, columns=COLUMNS, max_side=None, background="black"):
 def save_grid(images, output_dir, step, columns=COLUMNS):
     folder = os.path.join(output_dir, "samples")
     os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, f"step-{step:06d}.png")
-    tmp = path + ".tmp.png"
-    try:
-        tile(images, columns).save(tmp)
-    except BaseException:   # a full disk: no half-written grid is left
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
-    return path
+    grid = tile(images, columns)
+    return write_atomically(os.path.join(folder, f"step-{step:06d}.png"), grid.save)   # a full disk: no half grid

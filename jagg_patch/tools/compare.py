@@ -39,6 +39,8 @@ MIN_TIMED_STEPS timed steps (too few for a timing claim).
 """
 import argparse
 import csv
+import glob
+import io
 import json
 import math
 import os
@@ -46,6 +48,8 @@ import statistics
 import sys
 
 from dancegrpo.utils.plots import moving_average, plot_reward_curves
+
+from .reports import OutputError, OutputFull, output_errors, write_text
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
 FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
@@ -81,6 +85,12 @@ def load_metrics(run_dir, warn=warn):
     records = read_json_lines(found[0], warn)
     if os.path.basename(found[0]) == "jagg_metrics.jsonl":
         records = last_run(records, found[0], warn)
+    elif len({(r["step"], r.get("run_id")) for r in records}) > len({r["step"] for r in records}):
+        # A resumed run's segments (each its own run id) never share a step: the file is cut back to the
+        # checkpoint on resume. A step logged under two run ids is two runs' lines in one file.
+        warn(f"{found[0]} holds steps logged by different runs (run ids "
+             f"{list(dict.fromkeys(r.get('run_id') for r in records))}): each step is read from its last record, "
+             "which may mix the runs")
     by_step = {record["step"]: record for record in records}
     return [by_step[s] for s in sorted(by_step)]
 
@@ -196,6 +206,36 @@ def _ratio(t, ref):
     return ref / t if t and t > 0 and not math.isnan(ref) else float("nan")
 
 
+def run_setup(run_dir, records):
+    """What a run was trained as, where it says: the model family (the adapter's records; this trainer's
+    checkpoints' run_config.json), the preset and the rank count; None where nothing records it."""
+    config = {}
+    if os.path.isdir(run_dir):
+        configs = sorted(glob.glob(os.path.join(run_dir, "checkpoint-*", "run_config.json")))
+        if configs:
+            try:
+                with open(configs[-1]) as f:
+                    config = json.load(f)
+            except (OSError, ValueError):
+                config = {}
+    last = records[-1]
+    return dict(family=last.get("family", config.get("family")), preset=config.get("preset"),
+                world_size=last.get("world_size", config.get("world_size")))
+
+
+SETUP_WORDS = {"family": "models", "preset": "presets", "world_size": "rank counts"}
+
+
+def warn_across_setups(rows):
+    """A speedup or reward gap between runs of different models, presets or rank counts measures that
+    difference too: said, naming each run's."""
+    for field, words in SETUP_WORDS.items():
+        seen = {row["label"]: row[field] for row in rows if row.get(field) is not None}
+        if len(set(seen.values())) > 1:
+            warn(f"the runs are of different {words} ({', '.join(f'{k}: {v}' for k, v in seen.items())}): their "
+                 "step times and rewards differ by that too; the speedups are against the first run")
+
+
 def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
     """Rows for every run, with speedups vs the first; and the per-run reward curves."""
     if not run_dirs:
@@ -217,11 +257,13 @@ def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
             warn(f"run {label!r} has {row['timed_steps']} timed step(s) after the warm-up: too few for a timing "
                  f"claim (want >= {MIN_TIMED_STEPS})")
         row["run_dir"] = run_dir
+        row.update(run_setup(run_dir, records))
         rows.append(row)
         curves[label] = dict(steps=[r["step"] for r in records if "reward_mean" in r], reward=rewards, ma=ma)
         fidelity = fidelity_curves(records)
         if fidelity:
             curves[label]["jagg_cos"] = fidelity
+    warn_across_setups(rows)
     lengths = {row["label"]: row["steps"] for row in rows}
     if len(set(lengths.values())) > 1:
         warn(f"runs have different lengths ({lengths}); rewards are compared over different spans")
@@ -271,24 +313,24 @@ def markdown_table(rows):
 
 
 def write_outputs(out_dir, rows, curves, plots=True):
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "comparison.json"), "w") as f:
-        json.dump({"runs": rows, "curves": curves}, f, indent=1)
-    with open(os.path.join(out_dir, "comparison.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(out_dir, "comparison.md"), "w") as f:
-        f.write(markdown_table(rows) + "\n")
-    with open(os.path.join(out_dir, "rewards.csv"), "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["run", "step", "reward_mean", "reward_ma"])
-        for label, c in curves.items():
-            writer.writerows([label, s, r, m] for s, r, m in zip(c["steps"], c["reward"], c["ma"]))
+    write_text(os.path.join(out_dir, "comparison.json"), json.dumps({"runs": rows, "curves": curves}, indent=1))
+    write_text(os.path.join(out_dir, "comparison.csv"), _csv_text(list(rows[0]), [list(r.values()) for r in rows]))
+    write_text(os.path.join(out_dir, "comparison.md"), markdown_table(rows) + "\n")
+    write_text(os.path.join(out_dir, "rewards.csv"), _csv_text(
+        ["run", "step", "reward_mean", "reward_ma"],
+        [[label, s, r, m] for label, c in curves.items() for s, r, m in zip(c["steps"], c["reward"], c["ma"])]))
     written = []
     if plots:
         written = write_plots(out_dir, rows, curves)
     return written
+
+
+def _csv_text(header, rows):
+    buffer = io.StringIO(newline="")
+    writer = csv.writer(buffer)
+    writer.writerow(header)
+    writer.writerows(rows)
+    return buffer.getvalue()
 
 
 def fidelity_curves(records):
@@ -378,12 +420,16 @@ def main(argv=None):
         rows, curves = compare(args.run_dirs, labels, args.ma_window, args.skip_first)
         print(markdown_table(rows), flush=True)
         if args.out:
-            for path in write_outputs(args.out, rows, curves, plots=not args.no_plots):
-                print(f"wrote {path}")
+            with output_errors(args.out):
+                for path in write_outputs(args.out, rows, curves, plots=not args.no_plots):
+                    print(f"wrote {path}")
             print(f"wrote {os.path.join(args.out, 'comparison.{json,csv,md}')} and rewards.csv")
-    except CompareError as e:
+    except (CompareError, OutputError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+    except OutputFull as e:
+        print(f"stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     return rows
 
 

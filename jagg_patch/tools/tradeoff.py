@@ -25,6 +25,7 @@ pareto.png (metric against the ratio, seeds' sd and the ratio's spread as error 
 """
 import argparse
 import json
+import math
 import os
 import re
 import sys
@@ -32,6 +33,7 @@ import sys
 from dancegrpo.utils.plots import save_figure
 
 from .compare import CompareError, load_metrics
+from .reports import OutputError, OutputFull, output_errors, write_text
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
 
@@ -53,18 +55,38 @@ def step_ratio(path, mode):
     """(ratio, spread) from one bench_update JSON: whole-step time of `mode` over vanilla's, and half
     the range of both updates' timed repetitions over vanilla's step (what the ratio moves by between
     repetitions; 0 where the JSON records none)."""
+    rerun = f"run python -m jagg_patch.tools.bench_update ... --bench_json {path}"
     if not os.path.isfile(path):
-        raise CompareError(f"{path!r} not found: run python -m jagg_patch.tools.bench_update ... --bench_json {path}")
-    with open(path) as f:
-        bench = json.load(f)
-    modes = bench["modes"]
+        raise CompareError(f"{path!r} not found: {rerun}")
+    bench = read_json(path, rerun)
+    modes = bench.get("modes") if isinstance(bench, dict) else None
+    if not isinstance(modes, dict):
+        raise CompareError(f"{path!r} is not a bench_update JSON (no 'modes'): {rerun}")
     if mode not in modes or "vanilla" not in modes:
         raise CompareError(f"{path!r} has modes {sorted(modes)}; it needs vanilla and {mode!r}")
-    vanilla = modes["vanilla"]["step_s"]
-    m = modes[mode]
+    vanilla, m = _seconds(modes["vanilla"], "step_s", path), modes[mode]
     reps = bench.get("update_times_s", {})
     spread = (_half_range(reps.get(mode, [])) + _half_range(reps.get("vanilla", []))) / vanilla
-    return (m["cadence_step_s"] if "cadence_step_s" in m else m["step_s"]) / vanilla, spread
+    return _seconds(m, "cadence_step_s" if "cadence_step_s" in m else "step_s", path) / vanilla, spread
+
+
+def read_json(path, rerun):
+    """The JSON at `path`; an empty, cut-off or unreadable file is one line naming how to remake it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise CompareError(f"{path!r} is not valid JSON ({e.msg} at line {e.lineno}; empty or cut off?): {rerun}") from None
+    except OSError as e:
+        raise CompareError(f"cannot read {path!r}: {e.strerror}") from None
+
+
+def _seconds(mode_times, field, path):
+    """A timed mode's seconds: a positive finite number, or one line (a ratio needs one)."""
+    value = mode_times.get(field) if isinstance(mode_times, dict) else None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise CompareError(f"{path!r}: {field} is {value!r}, not a positive time; the bench did not time this mode")
+    return float(value)
 
 
 def routing_history(records):
@@ -118,8 +140,12 @@ def collect(root, benches, metric):
     if not os.path.isfile(report_path):
         raise CompareError(f"{report_path!r} not found: run python -m jagg_patch.tools.quality_report {root} "
                            f"--metric {metric} --out {os.path.join(root, 'report')}")
-    with open(report_path) as f:
-        quality = {r["variant"]: r for r in json.load(f)["rows"]}
+    report = read_json(report_path, f"run python -m jagg_patch.tools.quality_report {root} --metric {metric} "
+                                    f"--out {os.path.join(root, 'report')}")
+    rows = report.get("rows") if isinstance(report, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "variant" in r for r in rows):
+        raise CompareError(f"{report_path!r} is not a quality_report JSON (no 'rows' of variants)")
+    quality = {r["variant"]: r for r in rows}
     if "vanilla" not in quality:
         raise CompareError(f"{report_path!r} has no vanilla row: the ratios and the tolerance are vanilla's")
     missing = sorted(set(quality) - set(benches) - {"vanilla", "control"})
@@ -245,17 +271,19 @@ def main(argv=None):
     try:
         benches = {v: (path, mode) for v, path, mode in map(parse_bench, args.bench)}
         rows, verdict, text = tradeoff(args.root, benches, args.metric, args.tolerance_sd, args.goal_ratio, args.window)
-    except CompareError as e:
-        sys.exit(f"error: {e}")
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "tradeoff.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(args.out, "tradeoff.json"), "w") as f:
-            json.dump(dict(rows=rows, verdict=verdict), f, indent=1)
-        plot_pareto(os.path.join(args.out, "pareto.png"), [(args.title or os.path.basename(args.root), rows)],
-                    args.metric)
+        print(text)
+        if args.out:
+            with output_errors(args.out):
+                write_text(os.path.join(args.out, "tradeoff.md"), text + "\n")
+                write_text(os.path.join(args.out, "tradeoff.json"), json.dumps(dict(rows=rows, verdict=verdict), indent=1))
+                plot_pareto(os.path.join(args.out, "pareto.png"), [(args.title or os.path.basename(args.root), rows)],
+                            args.metric)
+    except (CompareError, OutputError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)   # as compare: bad input
+    except OutputFull as e:
+        print(f"stopped: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
     return rows, verdict
 
 

@@ -8,11 +8,13 @@ import argparse
 import os
 import sys
 
+from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.communications import launch_rank
 
 from ..cli import add_jagg_args, check_trajectory, fail, jagg_config, jagg_plan_text, monitor_for_auto
 from .families import FAMILIES
-from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint
+from .fingerprint import (UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint,
+                          refuse_unsupported_file)
 from .loader import load_trainer, run_main_block
 from .patch import apply
 from .step import needs_group
@@ -70,6 +72,10 @@ def check_trainer_path(path):
         fail(f"{path!r} is a folder; give the trainer file in it, e.g. {example}")
     if os.path.exists(path) and not path.endswith(".py"):
         fail(f"{path!r} is not a Python file; give upstream's trainer file, e.g. fastvideo/train_grpo_flux.py")
+    try:
+        refuse_unsupported_file(os.path.realpath(path))
+    except UpstreamUnsupported as e:   # before the import, which would stop on the file's own dependencies
+        fail(str(e))
 
 
 def _take_jagg_flags(parser, args, stop_at_positional=False):
@@ -179,4 +185,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_config_error(main)()   # a full disk while writing jagg_metrics.jsonl: one line, exit 3

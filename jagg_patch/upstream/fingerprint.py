@@ -68,13 +68,19 @@ def _file(module):
     return getattr(module, "__file__", None) or module.__name__
 
 
-def family_of(module):
-    """The trainer family, told by train_one_step's parameters; upstream's other trainers and files
-    without a matching train_one_step are refused naming the supported ones."""
-    name = os.path.basename(_file(module))
+def refuse_unsupported_file(path):
+    """UpstreamUnsupported for upstream's trainers that the adapter does not run, told by the file's
+    name, so that they are refused before their imports (absl, wandb, ...) can fail first."""
+    name = os.path.basename(path)
     if name in UPSTREAM_UNSUPPORTED_FILES:
         raise UpstreamUnsupported(f"{name} is upstream's {UPSTREAM_UNSUPPORTED_FILES[name]} trainer, which "
                                   f"jagg_patch.upstream does not run; it runs {SUPPORTED}")
+
+
+def family_of(module):
+    """The trainer family, told by train_one_step's parameters; upstream's other trainers and files
+    without a matching train_one_step are refused naming the supported ones."""
+    refuse_unsupported_file(_file(module))
     fn = getattr(module, "train_one_step", None)
     if not callable(fn):
         raise UpstreamUnsupported(f"{_file(module)} has no function train_one_step, which jagg_patch.upstream "

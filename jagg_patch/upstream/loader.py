@@ -29,7 +29,7 @@ def checkout_root(path):
     """The folder above the file's outermost package: the package folders are those with an
     __init__.py and upstream's `fastvideo/`, a namespace package without one (so the root of
     <root>/fastvideo/train_grpo_flux.py is <root>, installed or not)."""
-    folder = os.path.dirname(os.path.abspath(path))
+    folder = os.path.dirname(os.path.realpath(path))
     while os.path.isfile(os.path.join(folder, "__init__.py")) or os.path.basename(folder) == NAMESPACE_PACKAGE:
         folder = os.path.dirname(folder)
     return folder
@@ -37,7 +37,7 @@ def checkout_root(path):
 
 def module_name(path, root):
     """The dotted name the file has below `root` (fastvideo.train_grpo_flux)."""
-    relative = os.path.splitext(os.path.relpath(os.path.abspath(path), root))[0]
+    relative = os.path.splitext(os.path.relpath(os.path.realpath(path), root))[0]
     return relative.replace(os.sep, ".")
 
 
@@ -71,11 +71,12 @@ def load_trainer(path):
     """The file's definitions as a module (registered under its dotted name, so that pickling and
     `import fastvideo.<name>` find it); its __main__ block is kept, not run. The script's folder and
     the checkout root go first on sys.path, as when upstream runs the file from its checkout: its
-    `fastvideo.*` imports come from that checkout, whichever other one is installed."""
-    path = os.path.abspath(path)
+    `fastvideo.*` imports come from that checkout, whichever other one is installed. A symbolic link
+    is followed: the file's real location decides the checkout."""
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"upstream trainer file {path!r} does not exist; give the path of e.g. "
-                                "fastvideo/train_grpo_flux.py in your DanceGRPO checkout")
+        raise FileNotFoundError(f"upstream trainer file {os.path.abspath(path)!r} does not exist; give the path "
+                                "of e.g. fastvideo/train_grpo_flux.py in your DanceGRPO checkout")
+    path = os.path.realpath(path)
     with open(path) as f:
         tree = ast.parse(f.read(), path)
     definitions = [node for node in tree.body if not _is_main_guard(node)]

@@ -1,12 +1,15 @@
 """apply / revert: replace an upstream trainer module's train_one_step by the restated one
 (jagg_patch.upstream.step) with jagg_patch's policy update, after checking the fingerprint."""
+import errno
 import inspect
 import json
 import os
 import uuid
 
 from dancegrpo.algo.grpo import select_train_steps
-from dancegrpo.utils.communications import launch_rank, print_on_rank0
+from dancegrpo.errors import DiskFullError
+from dancegrpo.utils.communications import all_reduce_max, launch_rank, print_on_rank0
+from dancegrpo.utils.metrics import append_line, drop_torn_tail
 
 from ..config import as_config
 from ..update import make_policy_update, make_window_selection
@@ -17,15 +20,38 @@ from .step import train_step
 _ORIGINALS = {}   # module name -> upstream's own train_one_step, while patched
 
 
-def _write_metrics_line(args, record):
+METRICS_FILE = "jagg_metrics.jsonl"
+
+
+def _write_metrics_line(args, record, first):
     """<output_dir>/jagg_metrics.jsonl, one line per step on rank 0; appended (lines of other runs
-    in the folder are kept, told apart by run_id)."""
+    in the folder are kept, told apart by run_id), a torn line left by an earlier run dropped first.
+    Returns the OSError of a full disk (the line then not written at all), else None."""
     output_dir = getattr(args, "output_dir", None)
     if not output_dir or launch_rank() != 0:
+        return None
+    path = os.path.join(output_dir, METRICS_FILE)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        if first:
+            drop_torn_tail(path)
+        append_line(path, json.dumps(record))
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        return e
+    return None
+
+
+def _stop_if_disk_full(error, args, step, device):
+    """Every rank agrees whether rank 0 found the disk full (so none waits in a collective for a rank
+    that stopped), then all stop with DiskFullError (exit 3)."""
+    if not all_reduce_max(float(error is not None), device):
         return
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, "jagg_metrics.jsonl"), "a") as f:
-        f.write(json.dumps(record) + "\n")
+    why = getattr(error, "strerror", None) or "No space left on device"
+    raise DiskFullError(f"no space left to write step {step}'s line of {METRICS_FILE} in {args.output_dir!r} "
+                        f"({why}); the file keeps the steps before it, nothing half-written; upstream's "
+                        "checkpoints written so far are untouched. Free space, then start the run again")
 
 
 def make_train_one_step(module, trainer, update, select, original):
@@ -44,9 +70,12 @@ def make_train_one_step(module, trainer, update, select, original):
         result, stats = train_step(module, trainer, update, select, bound.arguments, step=train_one_step.calls + 1)
         train_one_step.calls += 1
         train_one_step.last_stats = stats
-        _write_metrics_line(bound.arguments["args"], {"step": train_one_step.calls, "run_id": run_id,
-                                                      "family": trainer.family, "release": release,
-                                                      **update.jagg_config.as_dict(), **stats})
+        run_args = bound.arguments["args"]
+        error = _write_metrics_line(run_args, {"step": train_one_step.calls, "run_id": run_id,
+                                               "family": trainer.family, "release": release,
+                                               **update.jagg_config.as_dict(), **stats},
+                                    first=train_one_step.calls == 1)
+        _stop_if_disk_full(error, run_args, train_one_step.calls, bound.arguments["device"])
         return result
 
     train_one_step.__signature__ = signature

@@ -317,6 +317,7 @@ def test_kl_with_lora_uses_the_disabled_adapter(make_args):
 
 # ---------------------------------------------------------------- end to end, every kernel
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sde_type", SDE_TYPES)
 @pytest.mark.parametrize("jagg", [False, True], ids=["vanilla", "jagg"])
 def test_tiny_end_to_end_every_kernel(cache_dir, tmp_path, capsys, sde_type, jagg):

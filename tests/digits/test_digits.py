@@ -123,6 +123,7 @@ def _heldout_rate(args, family_name="flux", transformer_folder=None, n=200):
     return correct_class_rate(family, transformer, vae, _embeddings(family, args.data_json_path), n=n)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family,low,high", [("flux", 0.4, 0.8), ("qwenimage", 0.3, 0.8)])
 def test_shipped_generator_follows_prompts_only_partly(make_args, family, low, high):
     """Measured when built (ODE, 200 samples; BUILD.json): Flux 0.605, Qwen-Image 0.685. Room for
@@ -235,3 +236,29 @@ def test_sample_grids_are_fixed_and_do_not_disturb_training(make_args, tmp_path)
     from dancegrpo.run.rundir import previous_run_files
     assert {"samples", "reward_curve.png", "metrics.jsonl"} <= {os.path.basename(p)
                                                               for p in previous_run_files(str(tmp_path / "c"))}
+
+
+def test_a_full_disk_during_the_build_leaves_the_earlier_build_whole(tmp_path, capsys, monkeypatch):
+    """The build writes into a folder beside --out and replaces it only once complete: a full disk
+    (the VAE's weights, after the transformer's) is one line, exit 3, and --out keeps the earlier build."""
+    import errno
+    import diffusers
+    from dancegrpo.digits import build
+    out = tmp_path / "digits"
+    (out / "transformer").mkdir(parents=True)
+    (out / "transformer" / "config.json").write_text('{"earlier": true}')
+    real_save = diffusers.ModelMixin.save_pretrained
+
+    def save(self, folder, *a, **kw):
+        if os.path.basename(folder) == "vae":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(self, folder, *a, **kw)
+    monkeypatch.setattr(diffusers.ModelMixin, "save_pretrained", save)
+    with pytest.raises(SystemExit) as stop:
+        build.main(["--family", "flux", "--out", str(out), "--vae_steps", "1", "--transformer_steps", "1",
+                    "--max_images", "8"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 3 and len(err.splitlines()) == 1 and err.startswith("stopped: cannot write the build")
+    assert sorted(os.listdir(tmp_path)) == ["digits"]   # no staging folder left
+    assert sorted(os.listdir(out)) == ["transformer"] and (out / "transformer" / "config.json").read_text() == \
+        '{"earlier": true}'

@@ -172,6 +172,32 @@ def test_a_resumed_auto_run_routes_and_trains_as_the_unbroken_one(cache_dir, tmp
         assert saved[0] == saved[1] and saved[0]["routing"]["routed"]
 
 
+def test_a_routing_saved_on_other_groups_starts_afresh_and_measures_at_once(capsys):
+    """A checkpoint's routing names positions of ITS groups: resumed with another window the positions
+    are other groups, so the routing starts afresh and the first step measures (unscheduled); resumed
+    with the same layout, it is restored and nothing is measured off schedule."""
+    model = SwitchedField()
+    saved = make_policy_update(window=W, jagg_frac="auto", backward="split", monitor_every=10, monitor_samples=M)
+    _grads(model, saved, _batch(model))
+    state = saved.state_dict()
+    assert state["routing"]["routed"] == [0] and state["layout"] == {"window": W, "grouping": "trained",
+                                                                       "trained": len(STEPS)}
+    capsys.readouterr()
+    same = make_policy_update(window=W, jagg_frac="auto", backward="split", monitor_every=10, monitor_samples=M)
+    same.load_state_dict(state)
+    stats, _ = _grads(model, same, _batch(model, step=3))
+    assert stats.metrics == {"jagg_routed": 0b01} and (stats.jagg_groups, stats.exact_groups) == (M, M)
+    other = make_policy_update(window=2, jagg_frac="auto", backward="split", monitor_every=10, monitor_samples=M)
+    other.load_state_dict(state)
+    stats, _ = _grads(model, other, _batch(model, step=3))
+    said = capsys.readouterr().out
+    assert "routing was measured on other groups (window 3 -> 2): it starts afresh" in said
+    assert "jagg_cos/g0" in stats.metrics   # measured at step 3, off the every-10 schedule
+    assert other.state_dict()["layout"]["window"] == 2
+    # routed by its own measurement of W 2's groups, not by W 3's saved position 0
+    assert other.routing.smoothed.keys() == {0, 1, 2}
+
+
 def test_a_measurement_with_nothing_to_compare_says_so_and_keeps_the_routing(capsys):
     """All-zero advantages: no gradient, no cosine to log; one line says why, the routing stays."""
     model = SwitchedField()

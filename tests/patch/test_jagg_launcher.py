@@ -82,6 +82,7 @@ def test_fsdp_joint_backward_equals_single_process(dist_result):
             assert got["autograd_backward_calls"] == sum(1 if jagg else n for jagg, n in got["groups"]), got
 
 
+@pytest.mark.slow
 def test_launch_under_torchrun(cache_dir, tmp_path):
     out = run(torchrun("-m", "jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir",
                        cache_dir, "--output_dir", str(tmp_path), "--max_train_steps", "1", *FAST,
@@ -166,3 +167,42 @@ def test_every_description_of_backward_auto_says_what_resolve_backward_does():
                         ("python -m jagg_patch.upstream usage", upstream_launcher.USAGE),
                         ("scripts/launch.sh", script)):
         assert re.findall(r"auto: (\w+) on several ranks, (\w+) on one", " ".join(text.split())) == expected, where
+
+
+def _jagg_args(*argv):
+    import argparse
+    from jagg_patch.cli import add_jagg_args
+    return add_jagg_args(argparse.ArgumentParser()).parse_args([str(a) for a in argv])
+
+
+def test_auto_with_the_monitor_turned_off_is_refused_not_turned_on(capsys):
+    from jagg_patch.cli import jagg_config, monitor_for_auto
+    with pytest.raises(SystemExit) as stop:
+        monitor_for_auto(_jagg_args("--jagg_frac", "auto", "--jagg_monitor_every", 0))
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "which --jagg_monitor_every 0 turns off" in err and len(err.splitlines()) == 1
+    assert jagg_config(_jagg_args("--jagg_frac", "auto")).monitor_every == 10   # not given: 10, said
+    assert "measured with --jagg_monitor_every 10" in capsys.readouterr().out
+    assert jagg_config(_jagg_args("--jagg_frac", "auto", "--jagg_monitor_every", 3)).monitor_every == 3
+    assert jagg_config(_jagg_args()).monitor_every == 0
+
+
+def test_a_min_cos_that_nothing_reads_is_said_once(capsys):
+    from jagg_patch.cli import jagg_config
+    assert jagg_config(_jagg_args("--jagg_min_cos", 0.9)).min_cos == 0.9
+    assert capsys.readouterr().out.count("--jagg_min_cos is the threshold of --jagg_frac auto; with --jagg_frac "
+                                         "0.6 it is not used") == 1
+    assert jagg_config(_jagg_args("--jagg_frac", "auto", "--jagg_min_cos", 0.9)).min_cos == 0.9
+    assert jagg_config(_jagg_args("--jagg_frac", "auto")).min_cos == 0.8
+    assert "not used" not in capsys.readouterr().out
+
+
+def test_a_window_wider_than_the_trained_transitions_is_shown_as_built(make_args):
+    from jagg_patch.cli import add_jagg_args, jagg_plan_text
+    from dancegrpo.args import parse_args
+    import dancegrpo.train_grpo_flux as tf
+    args = parse_args(add_jagg_args(tf.build_parser()), ["--preset", "tiny", "--output_dir", "x",
+                                                          "--jagg_window", "8"])   # tiny: 4 trained transitions
+    text = jagg_plan_text(args)
+    assert "window 8 -> 4, the 4 transitions a sample trains" in text
+    assert "group 0: positions [0, 1, 2, 3] (size 4) -> JAGG" in text

@@ -205,6 +205,7 @@ def test_bad_input_names_the_fix(case, qwen_text, tmp_path, capsys):
     assert expected in msg
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks(qwen_text, prompt_file, tmp_path):
     out = str(tmp_path / "emb")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

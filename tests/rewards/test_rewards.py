@@ -189,3 +189,15 @@ def test_reward_flags_default_and_reach_factories(tiny_hf_clip):
     reward = WeightedReward([("clipscore", 2.0)], "cpu", args)
     out = reward(random_images(SIZES[:2]), PROMPTS[:2])
     torch.testing.assert_close(out, 2.0 * reward.last_terms["clipscore"])
+
+
+@pytest.mark.parametrize("flags, said", [
+    (["--reward", "hpsv2", "--hps_ckpt_dir", "{tmp}/no_hps"], "HPS v2.1 reward: file"),
+    (["--reward", "pickscore", "--pickscore_model_path", "{tmp}/no_model", "--pickscore_processor_path",
+      "{tmp}/no_processor"], "is not a folder")], ids=["hpsv2", "pickscore"])
+def test_a_missing_reward_checkpoint_is_one_line_and_exit_2(cache_dir, tmp_path, capsys, flags, said):
+    from helpers import FAST, run_main
+    status = run_main("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir",
+                      tmp_path / "run", *FAST, "--max_train_steps", 1, *[f.format(tmp=tmp_path) for f in flags])
+    err = capsys.readouterr().err.strip()
+    assert status == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and said in err, err

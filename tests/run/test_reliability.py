@@ -134,7 +134,7 @@ def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == [f"checkpoint-{n}-0" for n in (1, 2, 3)]
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--output_dir", out, "--resume_from_checkpoint",
                                    "latest", "--checkpoints_total_limit", 1, "--allow_config_change"))
-    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-4-0"]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-4-0"]
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--output_dir", out, "--overwrite_output_dir"))
     assert [r["step"] for r in read_metrics(out)] == [1]
 
@@ -333,6 +333,7 @@ def test_latest_skips_weights_only_and_corrupt_checkpoints(make_args, tmp_path, 
 
 
 # ------------------------------------------------------------------ 6. signals
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_143(cache_dir, tmp_path):
     out = tmp_path / "o"
     proc = cli("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", out,
@@ -346,6 +347,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_143(cache_dir, tmp_path):
     assert ckpt.checkpoint_problem(str(out / f"checkpoint-{last}-0")) is None
 
 
+@pytest.mark.slow
 def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
     """2 ranks with the tiny preset's defaults (batch and GA split over the ranks)."""
     out = tmp_path / "o"
@@ -367,6 +369,7 @@ def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
     assert read_metrics(out)[0]["world_size"] == 2 and read_metrics(out)[0]["samples"] == 128
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_dir, tmp_path):
     """train_flux.sh's launcher (dancegrpo.launch, torchrun inside) passes SIGTERM on: both ranks
     finish their step and save, and the launcher ends with one line and 143, not a traceback and 1."""
@@ -387,6 +390,7 @@ def test_sigterm_to_the_scripts_launcher_stops_both_ranks_and_exits_143(cache_di
     assert len(threads_at_exit(threads)) == 3 and gloo_threads_at_exit(threads) == {}
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_is_named_in_one_line_by_the_launcher(cache_dir, tmp_path):
     """SIGKILL (the OOM killer's signal) to one worker of dancegrpo.launch: the other rank stops with one
     line (its collective lost its peer), the launcher says which rank died of what and how to continue,
@@ -547,16 +551,24 @@ def test_tiny_preset_splits_its_batch_over_ranks():
 
 
 # ------------------------------------------------------------------ 8. disk
-def test_checkpoints_total_limit_keeps_the_newest(make_args, tmp_path):
+def test_checkpoints_total_limit_keeps_the_newest(make_args, tmp_path, monkeypatch):
     out = tmp_path / "out"
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--checkpointing_steps", 1,
                                    "--checkpoints_total_limit", 2, "--output_dir", out))
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-4-0"]
-    # A resumed run never deletes the checkpoint it resumed from.
-    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 5, "--checkpointing_steps", 1,
+    # A resumed run keeps the checkpoint it resumed from until it has written a whole one of its own, then
+    # counts it like any other: a limit of 1 ends on one checkpoint, and a restart gains every step.
+    kept = []
+    real_save = ckpt.save_checkpoint
+    monkeypatch.setattr(ckpt, "save_checkpoint", lambda out_dir, *a, **kw: (
+        kept.append(sorted(p for p in os.listdir(out_dir) if p.startswith("checkpoint-"))),
+        real_save(out_dir, *a, **kw))[1])
+    train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 6, "--checkpointing_steps", 1,
                                    "--checkpoints_total_limit", 1, "--output_dir", out,
                                    "--resume_from_checkpoint", out / "checkpoint-3-0"))
-    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-5-0"]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-6-0"]
+    # what the folder held as each checkpoint was written (after the retention before the write)
+    assert kept == [["checkpoint-3-0", "checkpoint-4-0"], ["checkpoint-4-0"], ["checkpoint-5-0"]]
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(make_args, tmp_path, monkeypatch):
@@ -640,7 +652,8 @@ def test_a_real_full_disk_stops_with_the_message_and_the_limit_makes_room(small_
     """The disk fills while DCP writes the optimizer shard (its CheckpointException is a
     BaseException): exit 3 with the message, no .tmp left, the earlier checkpoints whole. The advice
     works: --checkpoints_total_limit 1 deletes the older checkpoints BEFORE the next write, sparing the
-    one resumed from, so the resumed run ends on a disk that holds three."""
+    one resumed from only until a newer one is whole, so the resumed run ends on a disk that holds three,
+    with one checkpoint, and a second restart needs no more room."""
     out = small_disk / "out"
     run = ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, *FAST, "--max_train_steps", 6,
            "--checkpointing_steps", 1, "--output_dir", out]
@@ -655,7 +668,20 @@ def test_a_real_full_disk_stops_with_the_message_and_the_limit_makes_room(small_
     status = run_main(*run, "--checkpoints_total_limit", 1, "--resume_from_checkpoint", "latest",
                       "--allow_config_change")
     assert status == 0, capsys.readouterr().err[-2000:]
-    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-3-0", "checkpoint-6-0"]
+    assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-6-0"]
+
+
+def test_a_limit_of_one_resumes_again_and_again_on_a_disk_that_holds_two(small_disk, cache_dir, capsys):
+    """The advice's promise: --checkpoints_total_limit 1 needs room for two checkpoints, resumed or not
+    (the one resumed from goes once a newer one is whole); each restart trains to its end."""
+    out = small_disk / "out"
+    subprocess.run(["mount", "-o", "remount,size=3600k", str(small_disk)], check=True)   # two fit, not three
+    for steps in (3, 6, 9):
+        status = run_main("dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir, *FAST,
+                          "--max_train_steps", steps, "--checkpointing_steps", 1, "--output_dir", out,
+                          "--checkpoints_total_limit", 1, *(["--resume_from_checkpoint", "latest"] if steps > 3 else []))
+        assert status == 0, capsys.readouterr().err[-2000:]
+        assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == [f"checkpoint-{steps}-0"]
 
 
 def test_checkpoint_files_follow_the_umask(make_args, tmp_path):

@@ -9,6 +9,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from helpers import FAST, REPO_ROOT, exit_threads_env, gloo_threads_at_exit, threads_at_exit
 
 
@@ -18,6 +20,7 @@ def _free_port():
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_ranks_that_stop_with_an_error_release_their_process_group(cache_dir, tmp_path):
     threads, out = tmp_path / "threads", tmp_path / "out"
     base = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",

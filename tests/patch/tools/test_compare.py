@@ -181,3 +181,65 @@ def test_upstream_runs_read_as_this_trainers(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([vanilla, str(plain), "--no_plots"])
     assert "hps_reward.txt:2: not a reward" in capsys.readouterr().err
+
+
+def _one_line(capsys, argv, code):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = "\n".join(line for line in capsys.readouterr().err.strip().splitlines() if not line.startswith("warning: "))
+    assert exc.value.code == code and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_an_unwritable_out_is_one_line_exit_2_and_a_full_disk_exit_3(two_runs, tmp_path, capsys, monkeypatch):
+    (tmp_path / "a_file").write_text("in the way")
+    err = _one_line(capsys, [*two_runs, "--no_plots", "--out", str(tmp_path / "a_file" / "cmp")], 2)
+    assert err.startswith("error: cannot write under --out") and "give a folder you can write to" in err
+    import errno
+    from jagg_patch.tools import reports
+    real = reports.write_atomically
+    written = []
+
+    def full_after_two(path, write):
+        if len(written) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(os.path.basename(path))
+        return real(path, write)
+    monkeypatch.setattr(reports, "write_atomically", full_after_two)
+    err = _one_line(capsys, [*two_runs, "--no_plots", "--out", str(tmp_path / "cmp")], 3)
+    assert err.startswith("stopped: no space left to write under --out")
+    assert sorted(os.listdir(tmp_path / "cmp")) == sorted(written)   # whole files only, no temporary
+
+
+def _with_setup(run_dir, **config):
+    os.makedirs(os.path.join(run_dir, "checkpoint-4-0"))
+    with open(os.path.join(run_dir, "checkpoint-4-0", "run_config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@pytest.mark.parametrize("field, a, b, said", [
+    ("family", "flux", "qwenimage", "different models (vanilla: flux, jagg: qwenimage)"),
+    ("preset", "digits", "digits_large", "different presets (vanilla: digits, jagg: digits_large)"),
+    ("world_size", 1, 2, "different rank counts (vanilla: 1, jagg: 2)")])
+def test_runs_of_different_models_presets_or_ranks_are_warned_about(two_runs, capsys, field, a, b, said):
+    base = dict(family="flux", preset="digits", world_size=1)
+    _with_setup(two_runs[0], **{**base, field: a})
+    _with_setup(two_runs[1], **{**base, field: b})
+    compare(list(two_runs), ["vanilla", "jagg"])
+    err = capsys.readouterr().err
+    assert said in err and err.count("the runs are of different") == 1
+
+
+def test_two_runs_in_one_metrics_file_are_warned_about(tmp_path, capsys):
+    lines = [json.dumps(dict(step=s, reward_mean=1.0, step_time_s=1.0, run_id=run)) for run in ("a", "b")
+             for s in (1, 2)]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    compare([str(tmp_path / "run")])
+    assert "holds steps logged by different runs (run ids ['a', 'b'])" in capsys.readouterr().err
+    # a resumed run's segments: other run ids, no shared step: nothing to say
+    lines = [json.dumps(dict(step=s, reward_mean=1.0, step_time_s=1.0, run_id=run)) for run, s in
+             (("a", 1), ("a", 2), ("b", 3))]
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    compare([str(tmp_path / "run")])
+    assert "different runs" not in capsys.readouterr().err

@@ -140,10 +140,60 @@ def test_refuses_a_bench_without_the_mode(tree, tmp_path):
         tradeoff(str(root), benches)
 
 
-def test_refuses_a_malformed_bench_argument(tree):
+def _argv(root, benches, *extra):
+    argv = [str(root), *extra]
+    for variant, (path, mode) in benches.items():
+        argv += ["--bench", f"{variant}={path}:{mode}"]
+    return argv
+
+
+def _one_line_exit(capsys, argv, code=2):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == code and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_refuses_a_malformed_bench_argument(tree, capsys):
     root, _ = tree
-    with pytest.raises(SystemExit, match="expected VARIANT=BENCH_JSON:MODE"):
-        main([str(root), "--bench", "jagg=only_a_path.json"])
+    assert "expected VARIANT=BENCH_JSON:MODE" in _one_line_exit(capsys, [str(root), "--bench", "jagg=only_a_path.json"])
+
+
+@pytest.mark.parametrize("content, said", [
+    ("", "is not valid JSON (Expecting value at line 1; empty or cut off?)"),
+    ('{"modes": {"vanilla": {"step_s": 4.0}, "jagg_spl', "is not valid JSON"),
+    ("{}", "is not a bench_update JSON (no 'modes')"),
+    ('{"modes": {"vanilla": {"step_s": 0.0}, "jagg_split_reuse": {"step_s": 3.0}}}', "step_s is 0.0, not a positive time"),
+    ('{"modes": {"vanilla": {"step_s": 4.0}, "jagg_split_reuse": {}}}', "step_s is None, not a positive time")],
+    ids=["empty", "truncated", "no-modes", "zero-time", "untimed"])
+def test_a_bad_bench_json_is_one_line_and_exit_2(tree, capsys, content, said):
+    root, benches = tree
+    with open(benches["jagg"][0], "w") as f:
+        f.write(content)
+    assert said in _one_line_exit(capsys, _argv(root, benches))
+
+
+@pytest.mark.parametrize("content", ["", "{}", '{"rows": [1]}'], ids=["empty", "empty-object", "no-variants"])
+def test_a_bad_quality_report_is_one_line_and_exit_2(tree, capsys, content):
+    root, benches = tree
+    (root / "report" / "report.json").write_text(content)
+    assert "report.json" in _one_line_exit(capsys, _argv(root, benches))
+
+
+def test_an_unwritable_out_is_one_line_exit_2_and_a_full_disk_exit_3(tree, tmp_path, capsys, monkeypatch):
+    root, benches = tree
+    (tmp_path / "a_file").write_text("in the way")
+    err = _one_line_exit(capsys, _argv(root, benches, "--out", str(tmp_path / "a_file" / "out")))
+    assert err.startswith("error: cannot write under --out") and "a_file" in err
+    import errno
+    from jagg_patch.tools import reports
+
+    def full(path, write):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(reports, "write_atomically", full)
+    err = _one_line_exit(capsys, _argv(root, benches, "--out", str(tmp_path / "out")), code=3)
+    assert err.startswith("stopped: no space left to write under --out")
 
 
 def test_routing_history_without_auto_is_empty():

@@ -11,6 +11,7 @@ Earlier releases, Qwen-Image-Edit and Wan 2.1: test_upstream_releases.py, test_u
 """
 import argparse
 import dataclasses
+import errno
 import os
 import subprocess
 import sys
@@ -77,6 +78,19 @@ def test_the_file_given_decides_which_checkout_fastvideo_comes_from(tmp_path, mo
     module = load_trainer(standin_file("qwenimage", root))
     assert module.latent_reward.__code__.co_filename.startswith(root)
     assert "fastvideo.utils.other" not in sys.modules   # the other checkout's modules are forgotten
+
+
+def test_a_symlinked_trainer_file_takes_its_checkout_from_where_the_file_really_is(tmp_path, monkeypatch):
+    """The link sits in another checkout's fastvideo/ (on the path): its folder must not decide."""
+    decoy = write_decoy(tmp_path / "decoy")
+    monkeypatch.setattr(sys, "path", [decoy, *sys.path])
+    forget_fastvideo()
+    root = copy_checkout(tmp_path / "checkout")
+    link = os.path.join(decoy, "fastvideo", "train_grpo_flux.py")
+    os.symlink(standin_file("flux", root), link)
+    module = load_trainer(link)
+    assert module.__file__ == os.path.realpath(standin_file("flux", root))
+    assert module.latent_reward.__code__.co_filename.startswith(root)
 
 
 def launch(*argv, cwd, path=()):
@@ -510,10 +524,19 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     (["{tmp}/plain.py"], "has no function train_one_step"),
     (["{tmp}/raises.py"], "its top-level code raised ZeroDivisionError"),
     (["--jagg_window", "4"], "no trainer file given"),
-    (["--jagg_window", "4", "--use_group", "x.py"], "no trainer file given before '--use_group'")],
-    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first"])
+    (["--jagg_window", "4", "--use_group", "x.py"], "no trainer file given before '--use_group'"),
+    (["{tmp}/fastvideo/train_grpo_sd.py"], "train_grpo_sd.py is upstream's Stable Diffusion"),
+    (["{tmp}/fastvideo/train_grpo_hunyuan.py"], "train_grpo_hunyuan.py is upstream's HunyuanVideo"),
+    (["{tmp}/linked.py"], "train_grpo_skyreels_i2v.py is upstream's SkyReels")],
+    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "sd", "hunyuan",
+         "link-to-skyreels"])
 def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
     from jagg_patch.upstream.__main__ import main
+    (tmp_path / "fastvideo").mkdir()
+    for name, module in [("sd", "absl"), ("hunyuan", "wandb"), ("skyreels_i2v", "wandb")]:
+        # refused by name before the import, which would stop on a module upstream's environment has
+        (tmp_path / "fastvideo" / f"train_grpo_{name}.py").write_text(f"import {module}_not_installed\n")
+    os.symlink(tmp_path / "fastvideo" / "train_grpo_skyreels_i2v.py", tmp_path / "linked.py")
     (tmp_path / "notes.txt").write_text("not a trainer\n")
     (tmp_path / "broken.py").write_text("def train_one_step(:\n")
     (tmp_path / "plain.py").write_text("VALUE = 1\n")
@@ -522,6 +545,54 @@ def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsy
         main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err.strip()
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and said in err, err
+
+
+def _half_then_full(real_open):
+    """open() whose files write half of what they are given, then fail as a full disk does."""
+    class HalfFile:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, text):
+            self.f.write(text[:len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+    return lambda *a, **kw: HalfFile(real_open(*a, **kw))
+
+
+def test_a_full_disk_under_jagg_metrics_stops_with_nothing_torn(cache_dir, tmp_path, monkeypatch):
+    """An earlier run's torn last line is dropped before this run's first record (which it would
+    otherwise swallow); a full disk mid-line stops the step with DiskFullError (one line, exit 3 from
+    the launcher) and leaves the file as it was before the line."""
+    from dancegrpo.errors import DiskFullError
+    from dancegrpo.utils import metrics
+    from jagg_patch.tools.compare import load_metrics
+    standin = Standin("flux", cache_dir, tmp_path)
+    metrics_file = tmp_path / "out" / "jagg_metrics.jsonl"
+    metrics_file.parent.mkdir()
+    metrics_file.write_text('{"step": 1, "run_id": "earlier"}\n{"step": 2, "run_')   # killed mid-line
+    apply(standin.module, window=3, jagg_frac=0.5, reuse="off", backward="split")
+    try:
+        standin.step()
+        before = metrics_file.read_text()
+        monkeypatch.setattr(metrics, "open", _half_then_full(open), raising=False)
+        with pytest.raises(DiskFullError, match=r"no space left to write step 2's line of jagg_metrics.jsonl"):
+            standin.step()
+    finally:
+        revert(standin.module)
+    assert metrics_file.read_text() == before
+    assert [r["step"] for r in read_jsonl(metrics_file)] == [1, 1]
+    warnings_said = []
+    assert [r["step"] for r in load_metrics(str(metrics_file.parent), warn=warnings_said.append)] == [1]
+    assert not any("torn" in w for w in warnings_said), warnings_said
+    source = open(os.path.join(ROOT, "jagg_patch", "upstream", "__main__.py")).read()
+    assert "exit_on_config_error(main)()" in source.split('if __name__ == "__main__":')[1]
 
 
 def test_a_resumed_upstream_auto_run_says_its_routing_starts_afresh(capsys):

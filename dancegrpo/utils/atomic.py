@@ -1,0 +1,16 @@
+"""A file under its final name is always whole: written to a temporary name beside it and renamed
+into place (os.replace is atomic); a failed write (a full disk) leaves no temporary behind."""
+import os
+
+
+def write_atomically(path, write):
+    """write(tmp) writes the file at the path it is given; it becomes `path` only once complete."""
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp-{os.getpid()}{ext}"   # the extension kept: PIL picks the format by it
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path
