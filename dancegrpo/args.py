@@ -7,11 +7,9 @@ import re
 import sys
 
 from . import presets
-from .utils.fsdp_util import SHARDING_STRATEGIES, WEIGHT_TYPES
-from .utils.precision import CHOICES as PRECISIONS, check_precision
+from .choices import ADVANTAGE_RULES, PRECISIONS, SDE_TYPES, SHARDING_STRATEGIES, WEIGHT_TYPES
 from .engines import add_engine_args, validate_engine_args
-from .algo.advantages import ADVANTAGES
-from .adapters.lora import add_lora_args, validate_lora_args
+from .adapters.flags import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, check_reward_prompts, resolve_reward_spec
 
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
@@ -180,10 +178,11 @@ def explicit_flags(parser, argv):
 def parse_args(parser, argv=None):
     """Parse with preset defaults applied under explicit flags, then validate."""
     argv = join_negative_values(sys.argv[1:] if argv is None else list(argv))
+    args = parser.parse_args(argv)   # --help and flag errors answer here, before a preset is built
     preset, cache_dir = _preset_from(argv, parser.get_default("family"))
-    if preset is not None and preset in presets.preset_names(parser.get_default("family")):
+    if preset is not None:
         parser.set_defaults(**presets.preset_defaults(parser.get_default("family"), preset, cache_dir))
-    args = parser.parse_args(argv)
+        args = parser.parse_args(argv)
     args.explicit_flags = explicit_flags(parser, argv)
     try:
         validate_args(args)
@@ -193,7 +192,6 @@ def parse_args(parser, argv=None):
 
 
 def add_flow_grpo_args(p):
-    from .algo.kernels import SDE_TYPES
     g = p.add_argument_group("Flow-GRPO / Flow-GRPO-Fast (this project; docs/flow_grpo_fast.md)")
     g.add_argument("--sde_type", choices=SDE_TYPES, default="dance",
                    help="Transition kernel; --eta is its noise level a. dance: DanceGRPO's flux_step; flow_grpo: "
@@ -208,7 +206,7 @@ def add_flow_grpo_args(p):
     g.add_argument("--kl_beta", type=float, default=0.0,
                    help="Weight of Flow-GRPO's KL term to the reference policy (the base weights: LoRA's disabled "
                         "adapter, else a frozen copy); 0: none.")
-    g.add_argument("--advantage", choices=tuple(ADVANTAGES), default="dance",
+    g.add_argument("--advantage", choices=ADVANTAGE_RULES, default="dance",
                    help="dance: --use_group's (r - mean) / (std + 1e-8), unbiased std; flow_grpo: per-prompt mean, "
                         "population std (+1e-4), per prompt or with --global_std over every rank's rewards.")
     g.add_argument("--global_std", action=argparse.BooleanOptionalAction, default=False, help="With --advantage flow_grpo: one std over all rewards.")
@@ -269,6 +267,7 @@ def validate_args(args):
         raise ValueError("--sp_size > 1 (sequence parallelism) is not supported; use data parallel ranks")
     if args.output_dir is None:
         raise ValueError("--output_dir is required (metrics, reward.txt and checkpoints go there)")
+    from .utils.precision import check_precision   # torch: the parse is done, flag errors answered
     check_precision(args.mixed_precision)
     if args.use_group and args.num_generations < 2:
         raise ValueError("--use_group needs --num_generations >= 2")

@@ -10,11 +10,8 @@ import os
 import shutil
 import uuid
 
-import torch
-
 from .errors import MissingFileError
 from .models.registry import family_part
-from .utils.communications import launch_world_size
 
 PROMPTS_FILE = os.path.join(os.path.dirname(__file__), "assets", "prompts.txt")
 PRESET_VERSION = 1  # bump when a preset's models or data change, so stale caches are rebuilt
@@ -53,6 +50,7 @@ def materialize_preset(family, name, cache_dir, seed=0):
     an interrupted build never leave a half-written preset behind.
     """
     import diffusers
+    import torch
     spec = preset_spec(family, name)
     if "shipped" in spec:  # trained models that come with the package
         if not os.path.isfile(os.path.join(spec["shipped"], "transformer", "config.json")):
@@ -70,7 +68,8 @@ def materialize_preset(family, name, cache_dir, seed=0):
             torch.manual_seed(seed + i)
             getattr(diffusers, cls_name)(**config).save_pretrained(os.path.join(tmp, part))
         data_dir = os.path.join(tmp, "data")
-        items = spec["write_embeddings"](data_dir, bundled_prompts(spec["num_prompts"]), spec["text"])
+        write = family_part(family, "embeddings").write_embeddings
+        items = write(data_dir, bundled_prompts(spec["num_prompts"]), spec["text"])
         with open(os.path.join(data_dir, "prompts.json"), "w") as f:
             json.dump(items, f, indent=1)
         open(os.path.join(tmp, "COMPLETE"), "w").close()
@@ -97,6 +96,7 @@ def spec_defaults_for_world(defaults, num_prompts, world_size):
 
 def preset_defaults(family, name, cache_dir):
     """Materialize the preset and return the flag defaults it sets."""
+    from .utils.communications import launch_world_size
     root = materialize_preset(family, name, cache_dir)
     spec = preset_spec(family, name)
     defaults = spec_defaults_for_world(spec["defaults"], spec["num_prompts"], launch_world_size())

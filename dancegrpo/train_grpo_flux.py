@@ -4,18 +4,17 @@ Upstream's fastvideo/train_grpo_flux.py: the Flux family and its parser; the loo
 one (dancegrpo.trainer), and `policy_update` / `select_train_steps` are this module's own
 attributes, the seams jagg_patch replaces.
 """
-from .args import build_parser as _build_parser, parse_args
-from .models.flux import FluxFamily
-from .errors import exit_on_config_error
-from .trainer import trainer_entry
+from .args import build_parser as _build_parser, parse_args  # noqa: F401  (parse_args: run_trainer's)
+from .entry import run_trainer, trainer_attributes
 
-FAMILY = FluxFamily
-policy_update, select_train_steps, train_one_step, main = trainer_entry(__name__)
+# FAMILY and the seams policy_update, select_train_steps, train_one_step, main: on first use.
+__getattr__ = trainer_attributes(__name__, "dancegrpo.models.flux", "FluxFamily")
 
 
 def build_parser():
     return _build_parser("flux", "DanceGRPO training of Flux (FluxTransformer2DModel + AutoencoderKL).")
 
 
+
 if __name__ == "__main__":
-    exit_on_config_error(main)(parse_args(build_parser()))
+    run_trainer(__name__)

@@ -5,13 +5,11 @@ Upstream's fastvideo/train_grpo_flux_lora.py: the Flux trainer with --use_lora o
 its own with the same seams, so `python -m jagg_patch dancegrpo.train_grpo_flux_lora ...`
 patches it like the others; the Qwen-Image trainer takes the same LoRA flags.
 """
-from .args import build_parser as _build_parser, parse_args
-from .models.flux import FluxFamily
-from .errors import exit_on_config_error
-from .trainer import trainer_entry
+from .args import build_parser as _build_parser, parse_args  # noqa: F401  (parse_args: run_trainer's)
+from .entry import run_trainer, trainer_attributes
 
-FAMILY = FluxFamily
-policy_update, select_train_steps, train_one_step, main = trainer_entry(__name__)
+# FAMILY and the seams policy_update, select_train_steps, train_one_step, main: on first use.
+__getattr__ = trainer_attributes(__name__, "dancegrpo.models.flux", "FluxFamily")
 
 
 def build_parser():
@@ -22,4 +20,4 @@ def build_parser():
 
 
 if __name__ == "__main__":
-    exit_on_config_error(main)(parse_args(build_parser()))
+    run_trainer(__name__)

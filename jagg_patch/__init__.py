@@ -9,13 +9,18 @@
 
 or launch a trainer with it: `python -m jagg_patch dancegrpo.train_grpo_flux --jagg_window 4 ...`.
 """
-from .core import (ALPHA_RULES, BACKWARDS, GROUPINGS, MODES, GroupResult, interpolation_weights, jagg_group_backward,
-                   validate_jagg_config)
-from .config import JaggConfig
-from .plan import Group, describe_plan, num_trained_windows, plan_groups, plan_windows
-from .patch import apply_jagg, is_patched, revert_jagg
-from .seams import SEAMS, SeamError, check_seams
-from .update import make_policy_update, make_window_selection
+from dancegrpo.utils.lazy import lazy_exports
+
+# Loaded on first use (the group backward needs torch): `python -m jagg_patch ... --help` and the
+# tools' flag errors answer before torch loads.
+__getattr__ = lazy_exports(__name__, {
+    "ALPHA_RULES": ".core", "BACKWARDS": ".core", "GROUPINGS": ".core", "MODES": ".core",
+    "GroupResult": ".core", "interpolation_weights": ".core", "jagg_group_backward": ".core",
+    "validate_jagg_config": ".core", "JaggConfig": ".config", "Group": ".plan", "describe_plan": ".plan",
+    "num_trained_windows": ".plan", "plan_groups": ".plan", "plan_windows": ".plan", "apply_jagg": ".patch",
+    "is_patched": ".patch", "revert_jagg": ".patch", "SEAMS": ".seams", "SeamError": ".seams",
+    "check_seams": ".seams", "make_policy_update": ".update", "make_window_selection": ".update"
+})
 
 __all__ = ["JaggConfig", "ALPHA_RULES", "BACKWARDS", "GROUPINGS", "MODES", "Group", "GroupResult", "describe_plan",
            "interpolation_weights", "jagg_group_backward", "num_trained_windows", "plan_groups", "plan_windows",

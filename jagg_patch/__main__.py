@@ -5,10 +5,9 @@ seam replaced by JAGG. Works the same under torchrun.
 """
 import sys
 
-from dancegrpo.utils.communications import print_on_rank0
+from dancegrpo.utils.launch import print_on_rank0
 
 from .cli import check_trajectory, jagg_config, jagg_plan_text, trainer_cli
-from .patch import apply_jagg
 
 USAGE = """usage: python -m jagg_patch TRAINER_MODULE [trainer flags] [--jagg_* flags]
        torchrun --nproc_per_node=N -m jagg_patch TRAINER_MODULE ...
@@ -34,10 +33,11 @@ def _usage():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch", _usage())
+    module, parser, rest = trainer_cli(argv, "jagg_patch", _usage(), complete=True)
     from dancegrpo.args import parse_args
     args = parse_args(parser, rest)
     check_trajectory(args)
+    from .patch import apply_jagg   # the update (torch) loads once the command line is answered
     apply_jagg(jagg_config(args), trainer_module=module)
     print_on_rank0(jagg_plan_text(args))
     return _exit_on_config_error(module.main)(args)

@@ -4,13 +4,10 @@ import argparse
 import importlib
 import sys
 
-import torch
-
-from dancegrpo.utils.communications import launch_world_size, print_on_rank0
-from dancegrpo.utils.precision import bytes_per_output
+from dancegrpo.utils.launch import launch_world_size, print_on_rank0
 
 from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig
-from .core import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
+from .settings import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
 
 from .plan import describe_plan, group_cost, num_trained_windows, plan_groups, plan_windows
 from .seams import SeamError, check_seams
@@ -22,21 +19,20 @@ def fail(message):
 
 
 def load_trainer(name, usage):
-    """Import a trainer module named on the command line and check the seams JAGG uses."""
+    """Import a trainer module named on the command line (its parser; its seams load on first use)."""
     if name.startswith("-"):
         fail(f"the first argument must be a trainer module, got {name!r}\n\n{usage}")
     try:
-        module = importlib.import_module(name)
+        return importlib.import_module(name)
     except ImportError as e:
         fail(f"cannot import trainer module {name!r}: {e}")
-    try:
-        return check_seams(module)
-    except SeamError as e:
-        fail(str(e))
 
 
-def trainer_cli(argv, tool, usage):
-    """`TRAINER_MODULE [flags]` -> (module, the trainer's parser + JAGG flags, the remaining argv).
+def trainer_cli(argv, tool, usage, complete=False):
+    """`TRAINER_MODULE [flags]` -> (module, the trainer's parser + JAGG flags, the remaining argv),
+    the seams JAGG uses checked. complete: the parser takes no more flags, so --help and flag errors
+    are answered first, before the trainer's seams (and torch) load; a tool that adds flags of its
+    own answers them in its own parse.
 
     Help or no argument prints `usage` (exit 0 for --help, 2 for nothing given)."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -45,6 +41,13 @@ def trainer_cli(argv, tool, usage):
     module = load_trainer(argv[0], usage)
     parser = add_jagg_args(module.build_parser())
     parser.prog = f"python -m {tool} {argv[0]}"
+    if complete:
+        from dancegrpo.args import join_negative_values
+        parser.parse_args(join_negative_values(argv[1:]))   # exits on --help or a flag error; parsed again
+    try:
+        check_seams(module)
+    except SeamError as e:
+        fail(str(e))
     return module, parser, argv[1:]
 
 
@@ -259,12 +262,16 @@ def image_output_bytes(args, element_bytes):
 def rollout_output_bytes(args):
     """This project's trainers keep their outputs as the model computed them: bf16 under autocast
     (--mixed_precision; a GPU's default), float32 otherwise."""
+    import torch
+    from dancegrpo.utils.precision import bytes_per_output
     return image_output_bytes(args, bytes_per_output(torch.cuda.is_available(), args.mixed_precision))
 
 
 def upstream_output_bytes(args):
     """Upstream's grpo_one_step computes under CUDA bf16 autocast (float32 on a CPU-only machine),
     whatever its flags say."""
+    import torch
+    from dancegrpo.utils.precision import bytes_per_output
     return image_output_bytes(args, bytes_per_output(torch.cuda.is_available()))
 
 

@@ -12,7 +12,7 @@ A new JAGG setting is one field here (its check in `__post_init__`), one flag in
 import dataclasses
 from dataclasses import dataclass
 
-from .core import validate_jagg_config
+from .settings import validate_jagg_config
 from .routing import AUTO
 
 

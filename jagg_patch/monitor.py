@@ -24,7 +24,7 @@ from collections import defaultdict
 import torch
 
 from dancegrpo.engines.probe import GradProbe
-from dancegrpo.utils.communications import print_on_rank0
+from dancegrpo.utils.launch import print_on_rank0
 
 from .similarity import gradient_similarity
 

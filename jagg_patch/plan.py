@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .core import validate_jagg_config
+from .settings import validate_jagg_config
 
 
 @dataclass(frozen=True)

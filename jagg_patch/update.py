@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from dancegrpo.algo.grpo import TrainSelection, UpdateStats
-from dancegrpo.utils.communications import print_on_rank0
+from dancegrpo.utils.launch import print_on_rank0
 
 from .config import as_config
 from .core import jagg_group_backward, resolve_backward

@@ -116,7 +116,8 @@ def test_evaluate_refuses_a_folder_in_use_and_one_of_other_metrics(cache_dir, tm
         lock.release()
     (tmp_path / "jpeg").mkdir()
     (tmp_path / "jpeg" / "comparison.json").write_text(json.dumps([{"label": "x", "metrics": {"jpeg": {}}}]))
-    monkeypatch.setattr(evaluate, "load_vae", lambda *a: pytest.fail("loaded a model before refusing"))
+    from dancegrpo import eval_run
+    monkeypatch.setattr(eval_run, "load_vae", lambda *a: pytest.fail("loaded a model before refusing"))
     with pytest.raises(SystemExit) as stop:
         _run(cache_dir, tmp_path / "jpeg", "--max_prompts", "1", "--metrics", "jpeg,jpeg_incompressibility")
     err = capsys.readouterr().err

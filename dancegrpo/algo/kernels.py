@@ -101,7 +101,7 @@ class CPS(Kernel):
 
 
 KERNELS = {"dance": Dance(), "flow_grpo": FlowGRPO(), "cps": CPS()}
-SDE_TYPES = tuple(KERNELS)
+SDE_TYPES = tuple(KERNELS)   # the same as dancegrpo.choices.SDE_TYPES, which the parser offers
 
 
 def get_kernel(sde_type):

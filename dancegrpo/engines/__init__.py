@@ -1,10 +1,26 @@
 """How the ranks hold and step the model: one interface (engines.base.Engine), one module per
-engine, registered here. The loop never asks which engine it has."""
-from .base import Engine, build_optimizer
-from .deepspeed import DeepSpeedEngine
-from .fsdp import FSDPEngine, plain_engine
+engine, registered here by name. The loop never asks which engine it has. An engine's module
+(torch.distributed, DeepSpeed) is imported when the run builds it, not when the command line is
+parsed (dancegrpo.utils.lazy)."""
+import importlib
 
-ENGINES = {engine.name: engine for engine in (FSDPEngine, DeepSpeedEngine)}
+from ..utils.lazy import lazy_exports
+
+# name -> (module, class) of the engine; a class may be registered directly (a test's, a user's)
+ENGINES = {"fsdp": ("dancegrpo.engines.fsdp", "FSDPEngine"),
+           "deepspeed": ("dancegrpo.engines.deepspeed", "DeepSpeedEngine")}
+
+__getattr__ = lazy_exports(__name__, {"Engine": ".base", "build_optimizer": ".base", "FSDPEngine": ".fsdp",
+                                      "plain_engine": ".fsdp", "DeepSpeedEngine": ".deepspeed"})
+
+
+def engine_class(name):
+    """The Engine subclass registered as `name`, imported on first use."""
+    entry = ENGINES[name]
+    if isinstance(entry, tuple):
+        module, cls = entry
+        entry = getattr(importlib.import_module(module), cls)
+    return entry
 
 
 def add_engine_args(parser):
@@ -16,13 +32,13 @@ def add_engine_args(parser):
 
 
 def validate_engine_args(args):
-    ENGINES[args.engine].validate_args(args)
+    engine_class(args.engine).validate_args(args)
 
 
 def build_engine(args, family, raw, device, world_size):
     """The --engine around the loaded model `raw`, with its optimizer and scheduler."""
-    return ENGINES[args.engine].build(args, family, raw, device, world_size)
+    return engine_class(args.engine).build(args, family, raw, device, world_size)
 
 
 __all__ = ["ENGINES", "Engine", "FSDPEngine", "DeepSpeedEngine", "add_engine_args", "build_engine",
-           "build_optimizer", "plain_engine", "validate_engine_args"]
+           "build_optimizer", "engine_class", "plain_engine", "validate_engine_args"]

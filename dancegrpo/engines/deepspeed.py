@@ -17,6 +17,7 @@ sharded state in checkpoint-*/deepspeed/ for resume, plus the same diffusers tra
 files as FSDP.
 """
 import contextlib
+import gc
 import json
 import os
 
@@ -135,12 +136,16 @@ class DeepSpeedEngine(Engine):
         go too."""
         import deepspeed.comm
         import torch.distributed as dist
+        module = self.engine.module
         self.engine.destroy()
+        if self.stage == 3:
+            _drop_zero3_references(module)
         if dist.is_initialized():
             dist.barrier()  # as dancegrpo.utils.communications.shutdown: no rank tears down early
             deepspeed.comm.destroy_process_group()
         for key in self._added_env:
             os.environ.pop(key, None)
+        gc.collect()   # the model <-> hooks <-> engine cycle: its groups' gloo threads end with it, now
 
     def label(self):
         return f" (DeepSpeed ZeRO-{self.stage} {self.weight_type})"
@@ -229,3 +234,19 @@ class DeepSpeedEngine(Engine):
         if path is None:
             raise ConfigError(f"DeepSpeed could not load the engine state in {folder!r}/{TAG}")
 
+
+def _drop_zero3_references(module):
+    """ZeRO-3 keeps its engine reachable after DeepSpeedEngine.destroy(), through two module-level
+    references (found by walking from sys.modules to the engine): the top module stays on
+    parameter_offload.FWD_MODULE_STACK (pushed at setup, never popped), and the parameter
+    coordinator's release sets sit in an lru_cache keyed by the coordinator and the submodules. The
+    module's hooks hold the engine, the engine its two gloo groups: with both references dropped they
+    are garbage, and their threads end with the run instead of at interpreter exit."""
+    from deepspeed.runtime.zero import parameter_offload
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+    stack = parameter_offload.FWD_MODULE_STACK
+    stack[:] = [m for m in stack if m is not module]
+    release = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
+    for cell in getattr(release, "__closure__", None) or ():   # instrument_w_nvtx's wrapper around the cache
+        if hasattr(cell.cell_contents, "cache_clear"):
+            cell.cell_contents.cache_clear()

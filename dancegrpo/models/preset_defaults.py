@@ -3,11 +3,10 @@ tiny, small and digits presets, where the digits world is shipped, and the seede
 text encoder's output."""
 import os
 
-import torch
-
 
 def seeded_randn(shape, seed):
     """A fixed random tensor (a preset's stand-in for a text encoder's output)."""
+    import torch   # here: the flag defaults above are read by the command line before torch loads
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 

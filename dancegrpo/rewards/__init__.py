@@ -2,12 +2,12 @@
 
 Built-in rewards need no weights. Model-based rewards (hpsv2, pickscore,
 clipscore) are registered lazily by module path so that their heavy imports
-happen only when they are used.
+happen only when they are used; torch itself is imported where a reward is scored,
+so that the command line's flags (add_reward_args) load without it.
 """
 import importlib
 import math
 
-import torch
 from ..errors import ConfigError, NonFiniteError
 
 _FACTORIES = {}
@@ -98,6 +98,7 @@ class WeightedReward:
         self.last_terms = {}
 
     def __call__(self, images, prompts):
+        import torch
         if len(images) != len(prompts):
             raise ValueError(f"{len(images)} images but {len(prompts)} prompts")
         total = torch.zeros(len(images), dtype=torch.float32)

@@ -1,7 +1,6 @@
-"""Rewards that need no weights, for the offline presets and tests."""
+"""Rewards that need no weights, for the offline presets and tests (torch imported as they score:
+this module is registered where the command line is built)."""
 import io
-
-import torch
 
 from . import register_reward
 
@@ -16,6 +15,7 @@ def jpeg_kilobytes(image, quality=95):
 def build_jpeg_compressibility(device=None, options=None):
     """DDPO's compressibility reward: minus the JPEG size (kB, quality 95)."""
     def reward(images, prompts):
+        import torch
         return torch.tensor([-jpeg_kilobytes(im) for im in images], dtype=torch.float32)
     return reward
 
@@ -24,5 +24,6 @@ def build_jpeg_compressibility(device=None, options=None):
 def build_jpeg_incompressibility(device=None, options=None):
     """DDPO's incompressibility reward: plus the JPEG size (kB)."""
     def reward(images, prompts):
+        import torch
         return torch.tensor([jpeg_kilobytes(im) for im in images], dtype=torch.float32)
     return reward

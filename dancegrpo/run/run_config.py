@@ -7,6 +7,8 @@ differs from the one the checkpoint belongs to.
 """
 import json
 
+CONFIG_NAME = "run_config.json"   # in each checkpoint folder
+
 NEUTRAL = frozenset({
     "output_dir", "resume_from_checkpoint", "max_train_steps", "checkpointing_steps", "checkpoints_total_limit",
     "report_to", "logging_dir", "dataloader_num_workers", "cache_dir", "preset", "allow_config_change",

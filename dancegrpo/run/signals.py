@@ -16,7 +16,10 @@ import time
 from ..utils.communications import all_reduce_max
 
 GRACE_S = 120.0  # after the launcher's death, the longest a worker waits for its step to finish
-NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", signal.SIGHUP: "SIGHUP"}
+# The launcher's death reaches no worker as a signal (SIGKILL, a crash): it is recorded as SIGHUP, the
+# shell's "controlling process gone" (exit 129), and said as what happened, not as a signal received.
+LAUNCHER_GONE = signal.SIGHUP
+NAMES = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "SIGINT", LAUNCHER_GONE: "the launcher's end"}
 
 
 class StopRequest:
@@ -52,7 +55,7 @@ class StopRequest:
             time.sleep(0.5)
         print(f"rank pid {os.getpid()}: the launcher (pid {parent}) is gone; stopping after this step",
               file=sys.stderr, flush=True)
-        self.signum = signal.SIGHUP
+        self.signum = LAUNCHER_GONE
         time.sleep(GRACE_S)
         print(f"pid {os.getpid()}: step did not finish within {GRACE_S:.0f} s of the launcher's death; exiting",
               file=sys.stderr, flush=True)

@@ -30,13 +30,13 @@ from safetensors.torch import load_file, save_file
 from . import optimizer_shards
 from .communications import all_reduce_max, barrier
 from ..errors import ConfigError, DiskFullError, MissingFileError, RunHalted
+from ..run.run_config import CONFIG_NAME
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' name for an adapter (dancegrpo.adapters.lora)
 WEIGHT_FILES = (WEIGHTS_NAME, LORA_WEIGHTS_NAME)
 STATE_NAME = "training_state.pt"
 OPTIMIZER_DIR = "optimizer"
-CONFIG_NAME = "run_config.json"
 MANIFEST_NAME = "MANIFEST.json"
 _NAME = re.compile(r"checkpoint-(\d+)-(\d+)")
 

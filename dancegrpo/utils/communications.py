@@ -7,22 +7,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-
-def launch_rank():
-    """This process's rank as torchrun set it (0 outside torchrun): known before the group exists, and
-    in tools and launchers that never join one."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def launch_world_size():
-    """The number of ranks torchrun started (1 outside torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def print_on_rank0(message, file=None):
-    """A line said once per run, not once per rank."""
-    if launch_rank() == 0:
-        print(message, file=file, flush=True)
+from .launch import launch_rank, launch_world_size, print_on_rank0  # noqa: F401  (part of this module's API)
 
 
 def init_distributed():

@@ -7,12 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .communications import is_distributed
-
-
-SHARDING_STRATEGIES = ("full", "hybrid_full", "hybrid_zero2", "none")
-
-
-WEIGHT_TYPES = ("fp32", "bf16")
+from ..choices import SHARDING_STRATEGIES
 
 
 def resolve_weight_type(requested, family_gpu_default, device, mixed_precision=None):

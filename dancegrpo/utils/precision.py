@@ -13,7 +13,8 @@ import contextlib
 
 import torch
 
-CHOICES = ("no", "fp16", "bf16")
+from ..choices import PRECISIONS as CHOICES
+
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 

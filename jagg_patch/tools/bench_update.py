@@ -50,7 +50,7 @@ import time
 
 import torch
 
-from dancegrpo.utils.communications import launch_rank
+from dancegrpo.utils.launch import launch_rank
 from dancegrpo.utils.precision import describe_precision
 
 from ..cli import AUTO_MONITOR_EVERY, check_trajectory, trainer_cli

@@ -11,11 +11,16 @@ or from the checkout: `torchrun ... -m jagg_patch.upstream --jagg_window 4 fastv
 run as they are (see jagg_patch.upstream.step), and what the adapter relies on is checked first
 (jagg_patch.upstream.fingerprint against jagg_patch.seams.UPSTREAM_SEAMS).
 """
+from dancegrpo.utils.lazy import lazy_exports
+
 from .fingerprint import (UpstreamChanged, UpstreamSourceChanged, UpstreamUnsupported, check_upstream, fingerprint,
                           known_release)
 from .loader import load_trainer, run_main_block
-from .patch import apply, is_applied, revert
 from .tokenhash import token_hash
+
+# The patch (the update: torch) loads on first use: `python -m jagg_patch.upstream --help` and its flag
+# errors answer before torch loads.
+__getattr__ = lazy_exports(__name__, {"apply": ".patch", "is_applied": ".patch", "revert": ".patch"})
 
 __all__ = ["load_trainer", "run_main_block", "apply", "revert", "is_applied", "check_upstream", "fingerprint",
            "known_release", "token_hash", "UpstreamChanged", "UpstreamSourceChanged", "UpstreamUnsupported"]

@@ -9,15 +9,12 @@ import os
 import sys
 
 from dancegrpo.errors import exit_on_config_error
-from dancegrpo.utils.communications import launch_rank
+from dancegrpo.utils.launch import launch_rank
 
 from ..cli import add_jagg_args, check_trajectory, fail, jagg_config, jagg_plan_text, monitor_for_auto
-from .families import FAMILIES
 from .fingerprint import (UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint,
                           refuse_unsupported_file)
 from .loader import load_trainer, run_main_block
-from .patch import apply
-from .step import needs_group
 
 USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
        torchrun --nproc_per_node=N -m jagg_patch.upstream [--jagg_* flags] fastvideo/train_grpo_flux.py ...
@@ -105,6 +102,8 @@ READ_FLAGS = ("use_group", "num_generations", "train_batch_size", "gradient_accu
 def preflight(upstream_args, jagg, family, trainer=None):
     """The checks that need upstream's parsed flags, before upstream's main loads anything; then what
     the file was found to be (`trainer`, a fingerprint.Trainer) and the plan."""
+    from .families import FAMILIES
+    from .step import needs_group
     missing = [name for name in READ_FLAGS if not hasattr(upstream_args, name)]
     if missing:
         fail(f"upstream's parser gave no {', '.join('--' + m for m in missing)}, which jagg_patch.upstream reads "
@@ -160,6 +159,7 @@ def main(argv=None):
     monitor_for_auto(jagg)
     config = jagg_config(jagg)   # checked here, once: apply and the update take the object as it is
     module = load_or_fail(script)
+    from .patch import apply   # the update (torch): once the command line and the file are checked
     try:
         if jagg.jagg_fingerprint:
             print(describe_fingerprint(fingerprint(module)))

@@ -8,7 +8,8 @@ import uuid
 
 from dancegrpo.algo.grpo import select_train_steps
 from dancegrpo.errors import DiskFullError
-from dancegrpo.utils.communications import all_reduce_max, launch_rank, print_on_rank0
+from dancegrpo.utils.communications import all_reduce_max
+from dancegrpo.utils.launch import launch_rank, print_on_rank0
 from dancegrpo.utils.metrics import append_line, drop_torn_tail
 
 from ..config import as_config

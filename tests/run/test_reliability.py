@@ -110,7 +110,8 @@ def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache
     out = tmp_path / "out"
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--checkpointing_steps", 1, "--output_dir", out))
     refusals = []
-    real_evaluate = evaluate.evaluate_checkpoint
+    from dancegrpo import eval_run
+    real_evaluate = eval_run.evaluate_checkpoint
 
     def evaluate_while_a_run_starts(*args, **kwargs):
         with pytest.raises(ConfigError) as refused:
@@ -118,7 +119,7 @@ def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache
                                            "--overwrite_output_dir"))
         refusals.append(str(refused.value))
         return real_evaluate(*args, **kwargs)
-    monkeypatch.setattr(evaluate, "evaluate_checkpoint", evaluate_while_a_run_starts)
+    monkeypatch.setattr(eval_run, "evaluate_checkpoint", evaluate_while_a_run_starts)
     rows = evaluate.main(["--preset", "tiny", "--cache_dir", cache_dir, "--metrics", "jpeg", "--max_prompts", "1",
                           "--num_images_per_prompt", "1", "--output_dir", str(tmp_path / "eval"),
                           "--checkpoint", f"a={out / 'checkpoint-1-0'}", "--checkpoint", f"b={out / 'checkpoint-2-0'}"])
@@ -367,6 +368,8 @@ def test_workers_do_not_outlive_a_killed_launcher(cache_dir, tmp_path):
         time.sleep(0.5)
     assert not any(_alive(p) for p in workers), "workers outlived their launcher"
     assert read_metrics(out)[0]["world_size"] == 2 and read_metrics(out)[0]["samples"] == 128
+    said = launcher.stderr.read()   # the workers wrote on after the launcher's end (its stderr is theirs)
+    assert "stopped: the launcher's end after step" in said and "SIGHUP" not in said, said[-3000:]
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """Flux (FLUX.1-dev): the family class, its embedding layout, presets, digits build spec and
-prompt-embedding writer (parts listed in dancegrpo.models.registry)."""
-from .model import FluxFamily, text_ids
+prompt-embedding writer (parts listed in dancegrpo.models.registry). The model code loads on first
+use (dancegrpo.utils.lazy): the presets part alone builds the command line."""
+from ...utils.lazy import lazy_exports
 
-FAMILY = FluxFamily
+__getattr__ = lazy_exports(__name__, {"FAMILY": (".model", "FluxFamily"), "FluxFamily": ".model",
+                                      "text_ids": ".model"})
 
 __all__ = ["FAMILY", "FluxFamily", "text_ids"]

@@ -1,0 +1,78 @@
+"""The command lines answer --help and a flag error before torch, diffusers or the models load
+(dancegrpo.utils.lazy, dancegrpo.entry): checked by what the process imported, not by a clock. And
+the torch-free tables the parsers offer (dancegrpo.choices, jagg_patch.settings) are exactly what
+the code behind them implements."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT
+
+HEAVY = ("torch", "diffusers", "transformers", "numpy", "safetensors", "peft", "deepspeed", "open_clip", "PIL")
+
+# What the command line would be, after `python -m`.
+COMMANDS = {
+    "flux --help": ["dancegrpo.train_grpo_flux", "--help"],
+    "qwenimage bad flag": ["dancegrpo.train_grpo_qwenimage", "--no_such_flag"],
+    "flux_lora bad choice": ["dancegrpo.train_grpo_flux_lora", "--advantage", "none"],
+    "jagg_patch --help": ["jagg_patch", "dancegrpo.train_grpo_flux", "--help"],
+    "jagg_patch bad jagg flag": ["jagg_patch", "dancegrpo.train_grpo_flux", "--jagg_window", "1"],
+    "upstream --help": ["jagg_patch.upstream", "--help"],
+    "upstream no trainer file": ["jagg_patch.upstream", "--jagg_window", "4"],
+    "evaluate --help": ["dancegrpo.evaluate", "--help"],
+    "evaluate bad flag": ["dancegrpo.evaluate", "--no_such_flag"],
+    "compare --help": ["jagg_patch.tools.compare", "--help"],
+    "tradeoff bad flag": ["jagg_patch.tools.tradeoff", "--no_such_flag"],
+}
+
+PROBE = """
+import json, runpy, sys
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    code = 0
+except SystemExit as stop:
+    code = stop.code if isinstance(stop.code, int) else 1
+print(json.dumps({"code": code, "loaded": sorted(m for m in %r if m in sys.modules)}), file=sys.stderr)
+""" % (HEAVY,)
+
+
+def probe(argv):
+    proc = subprocess.run([sys.executable, "-c", PROBE, *argv], capture_output=True, text=True, timeout=60,
+                          cwd=REPO_ROOT)
+    return json.loads(proc.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_and_flag_errors_answer_before_torch_loads(name):
+    result = probe(COMMANDS[name])
+    assert result["code"] == (0 if name.endswith("--help") else 2), result
+    assert result["loaded"] == [], f"{name} imported {result['loaded']} before answering"
+
+
+def test_the_parsers_choices_are_what_the_code_implements():
+    from dancegrpo import choices
+    from dancegrpo.algo.advantages import ADVANTAGES
+    from dancegrpo.algo.kernels import KERNELS
+    from dancegrpo.engines import ENGINES, engine_class
+    from dancegrpo.utils import fsdp_util, precision
+    assert tuple(KERNELS) == choices.SDE_TYPES and tuple(ADVANTAGES) == choices.ADVANTAGE_RULES
+    assert precision.CHOICES == choices.PRECISIONS and set(precision._DTYPES) | {"no"} == set(choices.PRECISIONS)
+    assert fsdp_util.SHARDING_STRATEGIES == choices.SHARDING_STRATEGIES
+    assert all(engine_class(name).name == name for name in ENGINES)
+
+
+def test_a_trainer_modules_seams_load_on_first_use_and_a_patch_set_before_stays():
+    code = """
+import sys
+import dancegrpo.train_grpo_qwenimage as m
+assert "torch" not in sys.modules
+marker = lambda batch: None
+m.policy_update = marker            # as jagg_patch replaces a seam
+assert m.main and "torch" in sys.modules and m.policy_update is marker
+assert m.FAMILY.__name__ == "QwenImageFamily" and m.select_train_steps.__name__ == "select_train_steps"
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
