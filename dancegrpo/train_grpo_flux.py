@@ -15,6 +15,5 @@ def build_parser():
     return _build_parser("flux", "DanceGRPO training of Flux (FluxTransformer2DModel + AutoencoderKL).")
 
 
-
 if __name__ == "__main__":
     run_trainer(__name__)

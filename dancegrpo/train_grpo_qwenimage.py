@@ -16,6 +16,5 @@ def build_parser():
                                       "(QwenImageTransformer2DModel + AutoencoderKLQwenImage).")
 
 
-
 if __name__ == "__main__":
     run_trainer(__name__)

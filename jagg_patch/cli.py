@@ -142,11 +142,12 @@ def jagg_config(args):
 
 
 
-def monitor_for_auto(args):
+def monitor_for_auto(args, min_cos_used=None):
     """Resolve --jagg_monitor_every and --jagg_min_cos, which default to "not given" (None) so that what
     was asked is known: --jagg_frac auto routes by the monitor's cosines, measured every
     AUTO_MONITOR_EVERY steps unless N >= 1 is given (said once) and refused with 0, which turns the
-    monitor off; --jagg_min_cos is auto's threshold, said unused beside a fixed --jagg_frac. Idempotent."""
+    monitor off; --jagg_min_cos is auto's threshold, said unused beside a fixed --jagg_frac (unless
+    min_cos_used: a tool's own auto modes read it). Idempotent."""
     if getattr(args, "_jagg_monitor_resolved", False):
         return
     auto = args.jagg_frac == "auto"
@@ -157,7 +158,7 @@ def monitor_for_auto(args):
         args.jagg_monitor_every = AUTO_MONITOR_EVERY
         print_on_rank0(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with "
                        f"--jagg_monitor_every {AUTO_MONITOR_EVERY} (give another N to change it)")
-    if not auto and args.jagg_min_cos is not None:
+    if not (auto if min_cos_used is None else min_cos_used) and args.jagg_min_cos is not None:
         print_on_rank0(f"notice: --jagg_min_cos is the threshold of --jagg_frac auto; with --jagg_frac "
                        f"{args.jagg_frac} it is not used")
     args.jagg_monitor_every = args.jagg_monitor_every or 0
@@ -180,9 +181,10 @@ def monitor_samples_for_batch(args):
         args.jagg_monitor_samples = per_rank
 
 
-def check_trajectory(args):
-    """The checks that need the trainer's geometry, before any model is loaded."""
-    monitor_for_auto(args)
+def check_trajectory(args, min_cos_used=None):
+    """The checks that need the trainer's geometry, before any model is loaded (min_cos_used: see
+    monitor_for_auto)."""
+    monitor_for_auto(args, min_cos_used)
     monitor_samples_for_batch(args)
     if args.jagg_monitor_every and args.jagg_grouping == "window" and launch_world_size() > 1:
         fail("--jagg_monitor_every with --jagg_grouping window on several ranks: the ranks' samples train "

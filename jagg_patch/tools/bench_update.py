@@ -504,7 +504,8 @@ def main(argv=None):
     if args.jagg_frac == "auto":
         raise SystemExit("error: jagg_patch.tools.bench_update times the modes at a fixed --jagg_frac; time "
                          "--jagg_frac auto with a mode ending in _auto (--bench_modes vanilla,jagg_split_reuse_auto)")
-    check_trajectory(args)
+    # the _auto modes route by --jagg_min_cos, though --jagg_frac is a fixed fraction
+    check_trajectory(args, min_cos_used=any(m.endswith(AUTO_SUFFIX) for m in args.bench_modes.split(",")))
     result = exit_on_config_error(run_benchmark)(module, args)
     if launch_rank() != 0:
         return result

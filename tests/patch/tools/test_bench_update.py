@@ -31,6 +31,7 @@ def test_an_auto_mode_measures_in_every_timed_run_and_reports_its_routing(cache_
     assert fixed["predicted_update_s"] > 0 and "monitor_s" not in fixed
     report = (tmp_path / "bench.md").read_text()
     assert "| jagg_split_auto |" in report and "at one measurement every 5 steps" in report and "[0] (g0 " in report
+    assert "--jagg_min_cos is the threshold" not in capsys.readouterr().out   # the _auto mode reads it
 
 
 @pytest.mark.parametrize("flags, message", [
