@@ -216,10 +216,12 @@ UPSTREAM_ROLLOUT_VALUES = {"flux": 5, "qwenimage": 5, "qwenimage_edit": 6, "wan"
 UPSTREAM_TRAINER_FILES = {"train_grpo_flux.py": "flux", "train_grpo_flux_lora.py": "flux",
                           "train_grpo_qwenimage.py": "qwenimage", "train_grpo_qwenimage_edit.py": "qwenimage_edit",
                           "train_grpo_wan_2_1.py": "wan"}
-UPSTREAM_UNSUPPORTED_FILES = {
-    "train_grpo_hunyuan.py": "HunyuanVideo (fastvideo's own model code, a VideoAlign reward)",
-    "train_grpo_skyreels_i2v.py": "SkyReels image-to-video (fastvideo's own model code, a VideoAlign reward)",
-    "train_grpo_sd.py": "Stable Diffusion (a DDIM trainer without flux_step)",
+UPSTREAM_UNSUPPORTED_FILES = {   # upstream's other trainers, refused by name before they are imported
+    "train_grpo_hunyuan.py": "upstream's HunyuanVideo trainer (fastvideo's own model code, a VideoAlign reward)",
+    "train_grpo_skyreels_i2v.py": "upstream's SkyReels image-to-video trainer (fastvideo's own model code, a "
+                                  "VideoAlign reward)",
+    "train_grpo_sd.py": "upstream's Stable Diffusion DDIM trainer, whose loop is inline in main() (no "
+                        "train_one_step / grpo_one_step / flux_step seam)",
 }
 
 

@@ -69,18 +69,44 @@ def _file(module):
 
 
 def refuse_unsupported_file(path):
-    """UpstreamUnsupported for upstream's trainers that the adapter does not run, told by the file's
-    name, so that they are refused before their imports (absl, wandb, ...) can fail first."""
+    """UpstreamUnsupported for a file the adapter cannot run, decided from the file, before it is
+    imported (its own imports, absl or wandb, would fail first): upstream's other trainers by their
+    name, and any file whose syntax tree binds no top-level train_one_step (what the adapter replaces)."""
+    _refuse_by_name(path)
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return   # missing or not Python: the loader says which
+    if "train_one_step" not in _top_level_names(tree):
+        raise UpstreamUnsupported(f"{path} has no function train_one_step, which jagg_patch.upstream replaces: "
+                                  f"is it an upstream DanceGRPO trainer? Supported: {SUPPORTED}")
+
+
+def _refuse_by_name(path):
     name = os.path.basename(path)
     if name in UPSTREAM_UNSUPPORTED_FILES:
-        raise UpstreamUnsupported(f"{name} is upstream's {UPSTREAM_UNSUPPORTED_FILES[name]} trainer, which "
-                                  f"jagg_patch.upstream does not run; it runs {SUPPORTED}")
+        raise UpstreamUnsupported(f"{name} is {UPSTREAM_UNSUPPORTED_FILES[name]}: jagg_patch.upstream does not "
+                                  f"run it; it runs {SUPPORTED}")
+
+
+def _top_level_names(tree):
+    """The names a module's top level binds: functions, classes, imports, assignments."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Assign):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
 
 
 def family_of(module):
     """The trainer family, told by train_one_step's parameters; upstream's other trainers and files
     without a matching train_one_step are refused naming the supported ones."""
-    refuse_unsupported_file(_file(module))
+    _refuse_by_name(_file(module))
     fn = getattr(module, "train_one_step", None)
     if not callable(fn):
         raise UpstreamUnsupported(f"{_file(module)} has no function train_one_step, which jagg_patch.upstream "

@@ -525,11 +525,14 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     (["{tmp}/raises.py"], "its top-level code raised ZeroDivisionError"),
     (["--jagg_window", "4"], "no trainer file given"),
     (["--jagg_window", "4", "--use_group", "x.py"], "no trainer file given before '--use_group'"),
-    (["{tmp}/fastvideo/train_grpo_sd.py"], "train_grpo_sd.py is upstream's Stable Diffusion"),
+    (["{tmp}/fastvideo/train_grpo_sd.py"], "train_grpo_sd.py is upstream's Stable Diffusion DDIM trainer, whose "
+                                           "loop is inline in main() (no train_one_step / grpo_one_step / flux_step "
+                                           "seam): jagg_patch.upstream does not run it"),
     (["{tmp}/fastvideo/train_grpo_hunyuan.py"], "train_grpo_hunyuan.py is upstream's HunyuanVideo"),
-    (["{tmp}/linked.py"], "train_grpo_skyreels_i2v.py is upstream's SkyReels")],
+    (["{tmp}/linked.py"], "train_grpo_skyreels_i2v.py is upstream's SkyReels"),
+    (["{tmp}/renamed_sd.py"], "renamed_sd.py has no function train_one_step")],
     ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "sd", "hunyuan",
-         "link-to-skyreels"])
+         "link-to-skyreels", "sd-by-its-syntax-tree"])
 def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
     from jagg_patch.upstream.__main__ import main
     (tmp_path / "fastvideo").mkdir()
@@ -537,10 +540,13 @@ def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsy
         # refused by name before the import, which would stop on a module upstream's environment has
         (tmp_path / "fastvideo" / f"train_grpo_{name}.py").write_text(f"import {module}_not_installed\n")
     os.symlink(tmp_path / "fastvideo" / "train_grpo_skyreels_i2v.py", tmp_path / "linked.py")
+    # SD's shape under another name: its loop inline in main(), started by absl; refused from its syntax tree
+    (tmp_path / "renamed_sd.py").write_text("from absl import app\n\n\ndef main(_):\n    pass\n\n\n"
+                                           "if __name__ == '__main__':\n    app.run(main)\n")
     (tmp_path / "notes.txt").write_text("not a trainer\n")
     (tmp_path / "broken.py").write_text("def train_one_step(:\n")
     (tmp_path / "plain.py").write_text("VALUE = 1\n")
-    (tmp_path / "raises.py").write_text("VALUE = 1 / 0\n")
+    (tmp_path / "raises.py").write_text("def train_one_step():\n    pass\n\n\nVALUE = 1 / 0\n")
     with pytest.raises(SystemExit) as stop:
         main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err.strip()
