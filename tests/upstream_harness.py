@@ -211,14 +211,18 @@ def reference_jagg_gradient(standin, result, steps, advantages, normaliser, alph
     trained transitions (steps [B, W], jagg_frac 1), float64 autograd, from the stand-in's own
     grpo_one_step: v_j its transformer output at member j, s_j the gradient of member j's PPO loss
     with respect to that output (through grpo_one_step on the fixed output), alpha by the model
-    timesteps int(sigma * 1000) / 1000 in float32 or by the member index."""
+    timesteps (the image trainers' int(sigma * 1000) / 1000 in float32, Wan's integers
+    int(sigma * 1000) in float64) or by the member index."""
     module, args, params = standin.module, standin.args, standin.trainable()
     _, all_latents, all_log_probs, sigmas = result[:4]
     total = [torch.zeros_like(p) for p in params]
     for i in range(all_latents.shape[0]):
         ks = sorted(int(k) for k in steps[i])
-        # the model's timestep as Flux's gets it, int(sigma * 1000) / 1000 in float32, for every family
-        t = (torch.tensor([int(sigmas[k] * 1000) for k in ks]) / 1000).double()
+        # the model's timestep as the family's model gets it: Flux's int(sigma * 1000) / 1000 in float32,
+        # Wan's the integers themselves (in float64 here: its alpha's ratios exact)
+        integers = [int(sigmas[k] * 1000) for k in ks]
+        t = (torch.tensor(integers, dtype=torch.float64) if standin.family == "wan"
+             else (torch.tensor(integers) / 1000).double())
         index = torch.arange(len(ks), dtype=torch.float64) / (len(ks) - 1)
         alphas = (t[0] - t) / (t[0] - t[-1]) if alpha == "timestep" else index
 

@@ -42,6 +42,12 @@ class FluxUpstream:
     output_bytes = staticmethod(upstream_output_bytes)
 
     @staticmethod
+    def alpha_timesteps(timesteps):
+        """The timesteps JAGG's alpha is taken from, as the model gets them: int(sigma * 1000) / 1000
+        (`timesteps`: the long integers), the image trainers' float32 values."""
+        return timesteps / 1000
+
+    @staticmethod
     def prompts(named):
         encoder_hidden_states, pooled_prompt_embeds, text_ids, caption = next(named["loader"])
         return {"encoder_hidden_states": encoder_hidden_states, "pooled_prompt_embeds": pooled_prompt_embeds,
@@ -145,8 +151,13 @@ class WanUpstream(FluxUpstream):
     clips by its own shard's norm (upstream's, reproduced)."""
     # Video latents: their frame count is not among the flags the adapter reads.
     output_bytes = staticmethod(lambda args: None)
-    plan_note = ("  timestep alpha: t = int(sigma * 1000) / 1000 as for the image trainers; Wan's model gets the "
-                 "integers int(sigma * 1000), whose ratios are the same (to float32 rounding)")
+    plan_note = ("  timestep alpha: from the integers int(sigma * 1000) Wan's model gets, in float64 (the image "
+                 "trainers' int(sigma * 1000) / 1000 in float32 has the same ratios to float32 rounding)")
+
+    @staticmethod
+    def alpha_timesteps(timesteps):
+        """The integers the model gets, in float64: alpha's ratios exact."""
+        return timesteps.to(torch.float64)
 
     @staticmethod
     def prompts(named):

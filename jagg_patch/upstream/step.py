@@ -159,7 +159,8 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, r
     def rollout_output(k):
         return traj.outputs[i, k].flatten(0, 1)   # [1, rows, ...] -> the raw output of a call on sample i
 
-    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps, timesteps=traj.timesteps / 1000,
+    return UpdateBatch(predict=predict, step_loss=step_loss, steps=steps,
+                       timesteps=family.alpha_timesteps(traj.timesteps),
                        subset=lambda rows: sample_batch(module, family, traj, i, steps[rows], on_policy,
                                                         transformer, last, ratios, step, counter),
                        rollout_output=rollout_output if traj.outputs is not None else None, on_policy=on_policy,
