@@ -43,6 +43,15 @@ class Interrupted(RunHalted):
         self.exit_code = 128 + signum  # the shell's convention for "ended by signal N"
 
 
+def say_stopped(error):
+    """Print a RunHalted's one line, once: where the rank may be killed while it unwinds (torchrun's
+    SIGTERM to the survivors of a dead rank, once their own handlers are gone), the line is said
+    first, at the point the stop is decided."""
+    if not getattr(error, "said", False):
+        print(f"stopped: {error}", file=sys.stderr, flush=True)
+        error.said = True
+
+
 def exit_on_config_error(fn):
     """For `__main__` entry points: print the message and exit (2 for input errors, the
     RunHalted kind's code otherwise) instead of a traceback."""
@@ -54,6 +63,6 @@ def exit_on_config_error(fn):
             print(f"error: {e}", file=sys.stderr, flush=True)
             sys.exit(2)
         except RunHalted as e:
-            print(f"stopped: {e}", file=sys.stderr, flush=True)
+            say_stopped(e)
             sys.exit(e.exit_code)
     return wrapper

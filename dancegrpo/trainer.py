@@ -26,7 +26,7 @@ from .algo.rollout import (Rollout, expand_groups, run_sample_step,  # noqa: F40
                            sample_reference_model, step_generators)
 from .build import describe, setup
 from .outputs import save, write_reward_curve, write_samples, written
-from .errors import Interrupted, PeerLost, RunHalted
+from .errors import Interrupted, PeerLost, RunHalted, say_stopped
 from .run.finite import damaged_weights_hint, require_finite
 from .run.preflight import preflight
 from .run.resume import plan_run
@@ -197,13 +197,20 @@ def run(args, family, train_one_step_fn, current_update=lambda: vanilla_policy_u
     stops = StopRequest().install(watch_parent="TORCHELASTIC_RUN_ID" in os.environ)
     try:
         history = _train(args, family, train_one_step_fn, current_update, plan, run_id, stops)
+    # A stop is said where it is decided, while SIGTERM is still this run's: once one rank has ended,
+    # torchrun sends SIGTERM to the others, which would kill them silently after stops.uninstall().
+    except RunHalted as halted:
+        say_stopped(halted)
+        raise
     except RuntimeError as error:
-        said = None if isinstance(error, RunHalted) else peer_lost(error)
+        said = peer_lost(error)
         if said is None:
             raise
-        raise PeerLost(f"rank {rank}: another rank's process ended while this one waited for it ({said}); this "
-                       "rank stops too. The checkpoints written before are intact: continue with "
-                       "--resume_from_checkpoint latest") from None
+        lost = PeerLost(f"rank {rank}: another rank's process ended while this one waited for it ({said}); this "
+                        "rank stops too. The checkpoints written before are intact: continue with "
+                        "--resume_from_checkpoint latest")
+        say_stopped(lost)
+        raise lost from None
     finally:
         stops.uninstall()
         if "lock" in held:

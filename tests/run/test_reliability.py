@@ -700,3 +700,29 @@ def test_checkpoint_files_follow_the_umask(make_args, tmp_path):
         for name in files:
             assert os.stat(os.path.join(root, name)).st_mode & 0o777 == 0o644, name
     assert os.listdir(folder / "optimizer")  # the shards are among the files checked
+
+
+def test_a_stop_is_said_before_the_signal_handlers_are_given_back(make_args, monkeypatch, capsys):
+    """When one rank ends, torchrun sends SIGTERM to the others; a rank unwinding its own stop (a lost
+    peer, NaN, a full disk) after StopRequest.uninstall is killed by it without a word (seen: the killed-
+    rank test lost rank 0's line now and then). So the stop's line is out before the handlers go, and
+    said once."""
+    from dancegrpo import trainer
+    from dancegrpo.errors import exit_on_config_error
+    from dancegrpo.run.signals import StopRequest
+    said_before_uninstall = []
+    real_uninstall = StopRequest.uninstall
+
+    def uninstall(self):
+        said_before_uninstall.append(capsys.readouterr().err)
+        real_uninstall(self)
+
+    def halted(*args, **kwargs):
+        raise NonFiniteError("loss is nan at step 3")
+    monkeypatch.setattr(StopRequest, "uninstall", uninstall)
+    monkeypatch.setattr(trainer, "_train", halted)
+    with pytest.raises(SystemExit) as stop:
+        exit_on_config_error(train_grpo_flux.main)(make_args(*FAST, "--max_train_steps", 1))
+    assert stop.value.code == 3
+    assert said_before_uninstall == ["stopped: loss is nan at step 3\n"]
+    assert "stopped:" not in capsys.readouterr().err   # not said a second time
