@@ -4,8 +4,14 @@ ConfigError: bad flags, paths or data, found before (or instead of) training: ex
 RunHalted: the run stopped itself to keep its files clean (NaN, full disk, a signal): the
 message says which quantity or event, at which step, and what to try; exit code per kind.
 """
+import errno
 import functools
 import sys
+
+
+def is_disk_full(error):
+    """Whether an OSError is a full disk or an exhausted quota (what stops a write with exit 3)."""
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 class ConfigError(ValueError):

@@ -6,7 +6,7 @@ import os
 import sys
 
 from .errors import ConfigError
-from .utils.atomic import write_atomically
+from .utils.atomic import write_text
 
 
 def table_header(metric_names):
@@ -58,12 +58,6 @@ def merged_summaries(earlier, summaries):
 
 
 def write_comparison(output_dir, names, summaries):
-    table = table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n"
-    write_atomically(os.path.join(output_dir, "table.md"), lambda tmp: _write_text(tmp, table))
-    write_atomically(os.path.join(output_dir, "comparison.json"),
-                     lambda tmp: _write_text(tmp, json.dumps(summaries, indent=1)))
-
-
-def _write_text(path, text):
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+    write_text(os.path.join(output_dir, "table.md"),
+               table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n")
+    write_text(os.path.join(output_dir, "comparison.json"), json.dumps(summaries, indent=1))

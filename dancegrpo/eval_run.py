@@ -20,7 +20,7 @@ from .models.registry import family_class
 from .rewards import WeightedReward
 from .run.finite import nonfinite_parameters
 from .run.rundir import RunLock
-from .utils.atomic import write_atomically
+from .utils.atomic import write_atomically, write_text
 from .utils.precision import compute_autocast, describe_precision
 from .utils.samples import tile
 
@@ -113,7 +113,7 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
         "generate_time_s": t_gen, "score_time_s": t_score, "device": str(device),
         "precision": describe_precision(device, args.mixed_precision),
     }
-    write_atomically(os.path.join(out_dir, "summary.json"), lambda tmp: _dump_json(summary, tmp))
+    write_text(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=1))
     return summary
 
 
@@ -123,11 +123,6 @@ def write_scores(path, rows):
         writer.writeheader()
         for row in rows:
             writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
-
-
-def _dump_json(obj, path):
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=1)
 
 
 def run(args, stack):

@@ -32,12 +32,12 @@ once the command line is answered.
 """
 import argparse
 import contextlib
-import errno
 import os
 import sys
 
 from . import presets
 from .choices import PRECISIONS
+from .errors import is_disk_full
 from .eval_inputs import EvalError, parse_checkpoints
 from .models.registry import family_names
 from .rewards import RewardNotFiniteError, add_reward_args, parse_reward_spec
@@ -168,7 +168,7 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(e):
             raise
         print(f"stopped: no space left to write {e.filename or 'a file'} in {args.output_dir!r} ({e.strerror}); "
               "every file there is whole (each is written under a temporary name, then renamed), table.md "

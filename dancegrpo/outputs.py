@@ -1,13 +1,12 @@
 """What a run writes besides its metrics: checkpoints of the weights after a step (with
 --checkpoints_total_limit retention), sample grids, and the reward curve; and what a full disk
 under any of the run's writes does (`written`)."""
-import errno
 import os
 
 import torch
 
 from .algo.rollout import predict_velocity
-from .errors import DiskFullError
+from .errors import DiskFullError, is_disk_full
 from .run.finite import require_finite
 from .run.readers import exclusive
 from .run.run_config import snapshot
@@ -53,7 +52,7 @@ def written(ctx, what, write, checkpoint=None):
     try:
         write()
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(e):
             raise
         error = e
     if not all_reduce_max(float(error is not None), ctx.device):

@@ -6,7 +6,7 @@ import sys
 
 from dancegrpo.utils.launch import launch_world_size, print_on_rank0
 
-from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig
+from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig, monitor_flag_values
 from .settings import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
 
 from .plan import describe_plan, group_cost, num_trained_windows, plan_groups, plan_windows
@@ -140,8 +140,6 @@ def jagg_config(args):
         fail(str(e))
 
 
-
-
 def monitor_for_auto(args, min_cos_used=None):
     """Resolve --jagg_monitor_every and --jagg_min_cos, which default to "not given" (None) so that what
     was asked is known: --jagg_frac auto routes by the monitor's cosines, measured every
@@ -155,14 +153,13 @@ def monitor_for_auto(args, min_cos_used=None):
         fail("--jagg_frac auto routes by the monitor's measurements, which --jagg_monitor_every 0 turns off: give "
              f"N >= 1 (or leave it out: {AUTO_MONITOR_EVERY}), or a fixed --jagg_frac")
     if auto and args.jagg_monitor_every is None:
-        args.jagg_monitor_every = AUTO_MONITOR_EVERY
         print_on_rank0(f"notice: --jagg_frac auto routes by the monitor's cosines, measured with "
                        f"--jagg_monitor_every {AUTO_MONITOR_EVERY} (give another N to change it)")
     if not (auto if min_cos_used is None else min_cos_used) and args.jagg_min_cos is not None:
         print_on_rank0(f"notice: --jagg_min_cos is the threshold of --jagg_frac auto; with --jagg_frac "
                        f"{args.jagg_frac} it is not used")
-    args.jagg_monitor_every = args.jagg_monitor_every or 0
-    args.jagg_min_cos = DEFAULT_MIN_COS if args.jagg_min_cos is None else args.jagg_min_cos
+    args.jagg_monitor_every, args.jagg_min_cos = monitor_flag_values(args.jagg_frac, args.jagg_monitor_every,
+                                                                     args.jagg_min_cos)
     args._jagg_monitor_resolved = True
 
 

@@ -73,13 +73,18 @@ class JaggConfig:
     def from_args(cls, args):
         """The config of the parsed --jagg_* flags (jagg_patch.cli.add_jagg_args); the two flags that default
         to "not given" (None) take their defaults here (jagg_patch.cli.monitor_for_auto says them)."""
-        every, min_cos = args.jagg_monitor_every, args.jagg_min_cos
-        if every is None:
-            every = AUTO_MONITOR_EVERY if args.jagg_frac == AUTO else 0
+        every, min_cos = monitor_flag_values(args.jagg_frac, args.jagg_monitor_every, args.jagg_min_cos)
         return cls(window=args.jagg_window, jagg_frac=args.jagg_frac, mode=args.jagg_mode, alpha=args.jagg_alpha,
                    backward=args.jagg_backward, grouping=args.jagg_grouping, reuse=args.jagg_reuse_rollout,
-                   monitor_every=every, monitor_samples=args.jagg_monitor_samples,
-                   min_cos=DEFAULT_MIN_COS if min_cos is None else min_cos)
+                   monitor_every=every, monitor_samples=args.jagg_monitor_samples, min_cos=min_cos)
+
+
+def monitor_flag_values(jagg_frac, every, min_cos):
+    """(--jagg_monitor_every, --jagg_min_cos) with "not given" (None) replaced by its default: auto measures
+    every AUTO_MONITOR_EVERY steps, a fixed fraction does not monitor; min_cos DEFAULT_MIN_COS."""
+    if every is None:
+        every = AUTO_MONITOR_EVERY if jagg_frac == AUTO else 0
+    return every, DEFAULT_MIN_COS if min_cos is None else min_cos
 
 
 def as_config(config=None, **settings):

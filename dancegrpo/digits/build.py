@@ -14,7 +14,6 @@ files, and BUILD.json (settings, times, rates). The transformer is stopped early
 follows prompts only partly, so GRPO has work to do.
 """
 import argparse
-import errno
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from ..errors import is_disk_full
 from ..models.registry import family_names, family_part
 from . import data
 
@@ -236,7 +236,7 @@ def main(argv=None):
         return build(args.family, args.out, args.vae_steps, args.transformer_steps, args.seed,
                      log=lambda m: print(m, flush=True), max_images=args.max_images, world_name=args.world)
     except OSError as e:
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        full = is_disk_full(e)
         print(f"{'stopped' if full else 'error'}: cannot write the build into {args.out!r}: {e.strerror}"
               f"{'' if full else f' ({e.filename})'}; nothing was written there (an earlier build in it is untouched)"
               f"{': free space and build again' if full else ''}", file=sys.stderr, flush=True)

@@ -14,3 +14,13 @@ def write_atomically(path, write):
         if os.path.exists(tmp):
             os.remove(tmp)
     return path
+
+
+def write_text(path, text):
+    """`text` as the file at `path` (its folder made), whole or not at all."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+    return write_atomically(path, write)

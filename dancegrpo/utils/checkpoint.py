@@ -14,7 +14,6 @@ disk never leaves a half-written checkpoint under the final name; a checkpoint s
 under the same name replaces the old one only once the new one is complete. Files get the
 permissions of the user's umask (safetensors alone writes 0600).
 """
-import errno
 import glob
 import json
 import os
@@ -29,7 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from . import optimizer_shards
 from .communications import all_reduce_max, barrier
-from ..errors import ConfigError, DiskFullError, MissingFileError, RunHalted
+from ..errors import ConfigError, DiskFullError, MissingFileError, RunHalted, is_disk_full
 from ..run.run_config import CONFIG_NAME
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
@@ -127,7 +126,7 @@ def _causes(error):
 def _disk_full_cause(error):
     """The ENOSPC / EDQUOT OSError in `error`, else None (True when only its text says so)."""
     for e in _causes(error):
-        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_disk_full(e):
             return e
     return "No space left on device" in str(error) or "Disk quota exceeded" in str(error) or None
 

@@ -53,13 +53,13 @@ import torch
 from dancegrpo.utils.launch import launch_rank
 from dancegrpo.utils.precision import describe_precision
 
-from ..cli import AUTO_MONITOR_EVERY, check_trajectory, trainer_cli
+from ..cli import check_trajectory, trainer_cli
 from .comm_count import count_fsdp_collectives
 from .reports import print_and_write
 from ..core import resolve_backward
 from ..plan import Group
 from .cost_model import sample_groups, seconds, sum_passes
-from ..config import JaggConfig
+from ..config import AUTO_MONITOR_EVERY, JaggConfig
 from ..update import make_policy_update, make_window_selection
 
 PAPER_STEP_GAIN = {"flux": 0.183, "qwenimage": 0.172}

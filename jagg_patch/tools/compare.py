@@ -49,7 +49,10 @@ import sys
 
 from dancegrpo.utils.plots import moving_average, plot_reward_curves
 
-from .reports import OutputError, OutputFull, output_errors, write_text
+from dancegrpo.errors import ConfigError, exit_on_config_error
+from dancegrpo.utils.atomic import write_text
+
+from .reports import output_errors
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
 FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
@@ -60,8 +63,8 @@ def warn(message):
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
-class CompareError(Exception):
-    """Bad input; the message says what is wrong."""
+class CompareError(ConfigError):
+    """Bad input; the message says what is wrong (one line, exit 2)."""
 
 
 METRICS_FILES = ("metrics.jsonl", "jagg_metrics.jsonl")   # this trainer's | jagg_patch.upstream's
@@ -119,6 +122,17 @@ def load_reward_file(path):
     if not rewards:
         raise CompareError(f"{path!r} holds no rewards (did the run finish its first step?)")
     return [{"step": k, "reward_mean": r} for k, r in enumerate(rewards, 1)]
+
+
+def read_json(path, rerun):
+    """The JSON at `path`; an empty, cut-off or unreadable file is one line naming how to remake it."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except ValueError as e:
+        raise CompareError(f"{path!r} is not valid JSON ({e.msg} at line {e.lineno}; empty or cut off?): {rerun}") from None
+    except OSError as e:
+        raise CompareError(f"cannot read {path!r}: {e.strerror}") from None
 
 
 def read_json_lines(path, warn=warn):
@@ -412,24 +426,20 @@ def build_parser():
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
-    try:
-        if args.ma_window < 1 or args.skip_first < 0:
-            raise CompareError("--ma_window must be >= 1 and --skip_first >= 0")
-        labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
-        rows, curves = compare(args.run_dirs, labels, args.ma_window, args.skip_first)
-        print(markdown_table(rows), flush=True)
-        if args.out:
-            with output_errors(args.out):
-                for path in write_outputs(args.out, rows, curves, plots=not args.no_plots):
-                    print(f"wrote {path}")
-            print(f"wrote {os.path.join(args.out, 'comparison.{json,csv,md}')} and rewards.csv")
-    except (CompareError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    except OutputFull as e:
-        print(f"stopped: {e}", file=sys.stderr, flush=True)
-        sys.exit(3)
+    return exit_on_config_error(run_command)(build_parser().parse_args(argv))
+
+
+def run_command(args):
+    if args.ma_window < 1 or args.skip_first < 0:
+        raise CompareError("--ma_window must be >= 1 and --skip_first >= 0")
+    labels = [s.strip() for s in args.labels.split(",")] if args.labels else None
+    rows, curves = compare(args.run_dirs, labels, args.ma_window, args.skip_first)
+    print(markdown_table(rows), flush=True)
+    if args.out:
+        with output_errors(args.out):
+            for path in write_outputs(args.out, rows, curves, plots=not args.no_plots):
+                print(f"wrote {path}")
+        print(f"wrote {os.path.join(args.out, 'comparison.{json,csv,md}')} and rewards.csv")
     return rows
 
 

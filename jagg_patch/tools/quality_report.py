@@ -20,11 +20,13 @@ import math
 import os
 import re
 import statistics
-import sys
 
+from dancegrpo.errors import exit_on_config_error
+from dancegrpo.utils.atomic import write_text
 from dancegrpo.utils.plots import plot_mean_spread
 
-from .compare import CompareError, load_metrics, summarize
+from .compare import CompareError, load_metrics, read_json, summarize
+from .reports import output_errors
 
 LABEL = re.compile(r"^(?P<variant>.+)@(?P<step>\d+)$")
 
@@ -48,13 +50,12 @@ def eval_points(folder):
         raise CompareError(f"{path!r} not found: evaluate the checkpoints first (python -m dancegrpo.evaluate "
                            "... --checkpoint VARIANT@STEP=PATH --output_dir SEED_FOLDER/eval)")
     points = {}
-    with open(path) as f:
-        for summary in json.load(f):
-            m = LABEL.match(summary["label"])
-            if not m:
-                continue
-            metrics = {k: (float("nan") if v["mean"] is None else v["mean"]) for k, v in summary["metrics"].items()}
-            points.setdefault(m["variant"], {})[int(m["step"])] = metrics
+    for summary in read_json(path, "evaluate the checkpoints again (python -m dancegrpo.evaluate ...)"):
+        m = LABEL.match(summary["label"])
+        if not m:
+            continue
+        metrics = {k: (float("nan") if v["mean"] is None else v["mean"]) for k, v in summary["metrics"].items()}
+        points.setdefault(m["variant"], {})[int(m["step"])] = metrics
     return points
 
 
@@ -146,15 +147,14 @@ def report(root, metric="digit_heldout", ma_window=5, out=None, title=None, vari
     rows = summarize_variants(data)
     text = markdown(rows, metric, ma_window)
     if out:
-        os.makedirs(out, exist_ok=True)
         train, held = curves(data)
-        plot_mean_spread(os.path.join(out, "curves.png"),
-                         [(f"training reward, MA {ma_window}: mean, min..max over seeds", "reward", train),
-                          (f"{metric} of fixed-noise samples: mean, min..max over seeds", metric, held)], title)
-        with open(os.path.join(out, "report.md"), "w") as f:
-            f.write(text + "\n")
-        with open(os.path.join(out, "report.json"), "w") as f:
-            json.dump({"rows": rows, "train_curves": train, "eval_curves": held}, f, indent=1)
+        with output_errors(out):
+            plot_mean_spread(os.path.join(out, "curves.png"),
+                             [(f"training reward, MA {ma_window}: mean, min..max over seeds", "reward", train),
+                              (f"{metric} of fixed-noise samples: mean, min..max over seeds", metric, held)], title)
+            write_text(os.path.join(out, "report.md"), text + "\n")
+            write_text(os.path.join(out, "report.json"),
+                       json.dumps({"rows": rows, "train_curves": train, "eval_curves": held}, indent=1))
     return rows, text
 
 
@@ -168,13 +168,12 @@ def main(argv=None):
     p.add_argument("--title", default=None)
     p.add_argument("--variants", default=None,
                    help="Comma list: which variants, in this order (default: all, vanilla first, control last).")
-    args = p.parse_args(argv)
+    return exit_on_config_error(run_command)(p.parse_args(argv))
+
+
+def run_command(args):
     variants = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else None
-    try:
-        rows, text = report(args.root, args.metric, args.ma_window, args.out, args.title, variants)
-    except CompareError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    rows, text = report(args.root, args.metric, args.ma_window, args.out, args.title, variants)
     print(text, flush=True)
     return rows
 

@@ -1,20 +1,21 @@
 """How a tool hands back what it measured: the report printed, the numbers (JSON) and the report
 (markdown) written where the command line asked, each file whole or not at all; a folder that
-cannot be written is one line (exit 2), a full disk one line (exit 3)."""
+cannot be written is one line (exit 2), a full disk one line (exit 3), through
+dancegrpo.errors.exit_on_config_error as every command line's other errors."""
 import contextlib
-import errno
 import json
 import os
 
-from dancegrpo.utils.atomic import write_atomically
+from dancegrpo.errors import ConfigError, RunHalted, is_disk_full
+from dancegrpo.utils.atomic import write_text
 
 
-class OutputError(Exception):
-    """--out cannot be written (permissions, a file in the way): the message names it."""
+class OutputError(ConfigError):
+    """--out cannot be written (permissions, a file in the way): the message names it (exit 2)."""
 
 
-class OutputFull(Exception):
-    """No space left under --out; what was written before stays whole."""
+class OutputFull(RunHalted):
+    """No space left under --out; what was written before stays whole (exit 3)."""
 
 
 @contextlib.contextmanager
@@ -23,22 +24,12 @@ def output_errors(out):
     try:
         yield
     except OSError as e:
-        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_disk_full(e):
             raise OutputFull(f"no space left to write under --out {out!r} ({e.strerror}); the files written "
                              "are whole, the rest are missing: free space and run again") from None
         where = f" ({e.filename})" if e.filename and os.path.abspath(e.filename) != os.path.abspath(out) else ""
         raise OutputError(f"cannot write under --out {out!r}: {e.strerror}{where}; give a folder you can write "
                           "to") from None
-
-
-def write_text(path, text):
-    """`text` at `path` (its folder made), whole or not at all."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-    return write_atomically(path, write)
 
 
 def print_and_write(report, result, json_path=None, md_path=None):

@@ -28,12 +28,14 @@ import json
 import math
 import os
 import re
-import sys
 
 from dancegrpo.utils.plots import save_figure
 
-from .compare import CompareError, load_metrics
-from .reports import OutputError, OutputFull, output_errors, write_text
+from dancegrpo.errors import exit_on_config_error
+from dancegrpo.utils.atomic import write_text
+
+from .compare import CompareError, load_metrics, read_json
+from .reports import output_errors
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
 
@@ -68,17 +70,6 @@ def step_ratio(path, mode):
     reps = bench.get("update_times_s", {})
     spread = (_half_range(reps.get(mode, [])) + _half_range(reps.get("vanilla", []))) / vanilla
     return _seconds(m, "cadence_step_s" if "cadence_step_s" in m else "step_s", path) / vanilla, spread
-
-
-def read_json(path, rerun):
-    """The JSON at `path`; an empty, cut-off or unreadable file is one line naming how to remake it."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError as e:
-        raise CompareError(f"{path!r} is not valid JSON ({e.msg} at line {e.lineno}; empty or cut off?): {rerun}") from None
-    except OSError as e:
-        raise CompareError(f"cannot read {path!r}: {e.strerror}") from None
 
 
 def _seconds(mode_times, field, path):
@@ -267,23 +258,19 @@ def main(argv=None):
     p.add_argument("--window", type=int, default=4, help="The window of variants whose name carries no _w<N>.")
     p.add_argument("--out", default=None)
     p.add_argument("--title", default=None)
-    args = p.parse_args(argv)
-    try:
-        benches = {v: (path, mode) for v, path, mode in map(parse_bench, args.bench)}
-        rows, verdict, text = tradeoff(args.root, benches, args.metric, args.tolerance_sd, args.goal_ratio, args.window)
-        print(text)
-        if args.out:
-            with output_errors(args.out):
-                write_text(os.path.join(args.out, "tradeoff.md"), text + "\n")
-                write_text(os.path.join(args.out, "tradeoff.json"), json.dumps(dict(rows=rows, verdict=verdict), indent=1))
-                plot_pareto(os.path.join(args.out, "pareto.png"), [(args.title or os.path.basename(args.root), rows)],
-                            args.metric)
-    except (CompareError, OutputError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)   # as compare: bad input
-    except OutputFull as e:
-        print(f"stopped: {e}", file=sys.stderr, flush=True)
-        sys.exit(3)
+    return exit_on_config_error(run_command)(p.parse_args(argv))
+
+
+def run_command(args):
+    benches = {v: (path, mode) for v, path, mode in map(parse_bench, args.bench)}
+    rows, verdict, text = tradeoff(args.root, benches, args.metric, args.tolerance_sd, args.goal_ratio, args.window)
+    print(text)
+    if args.out:
+        with output_errors(args.out):
+            write_text(os.path.join(args.out, "tradeoff.md"), text + "\n")
+            write_text(os.path.join(args.out, "tradeoff.json"), json.dumps(dict(rows=rows, verdict=verdict), indent=1))
+            plot_pareto(os.path.join(args.out, "pareto.png"), [(args.title or os.path.basename(args.root), rows)],
+                        args.metric)
     return rows, verdict
 
 

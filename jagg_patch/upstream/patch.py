@@ -1,13 +1,12 @@
 """apply / revert: replace an upstream trainer module's train_one_step by the restated one
 (jagg_patch.upstream.step) with jagg_patch's policy update, after checking the fingerprint."""
-import errno
 import inspect
 import json
 import os
 import uuid
 
 from dancegrpo.algo.grpo import select_train_steps
-from dancegrpo.errors import DiskFullError
+from dancegrpo.errors import DiskFullError, is_disk_full
 from dancegrpo.utils.communications import all_reduce_max
 from dancegrpo.utils.launch import launch_rank, print_on_rank0
 from dancegrpo.utils.metrics import append_line, drop_torn_tail
@@ -38,7 +37,7 @@ def _write_metrics_line(args, record, first):
             drop_torn_tail(path)
         append_line(path, json.dumps(record))
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+        if not is_disk_full(e):
             raise
         return e
     return None

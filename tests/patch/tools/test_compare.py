@@ -196,8 +196,8 @@ def test_an_unwritable_out_is_one_line_exit_2_and_a_full_disk_exit_3(two_runs, t
     err = _one_line(capsys, [*two_runs, "--no_plots", "--out", str(tmp_path / "a_file" / "cmp")], 2)
     assert err.startswith("error: cannot write under --out") and "give a folder you can write to" in err
     import errno
-    from jagg_patch.tools import reports
-    real = reports.write_atomically
+    from dancegrpo.utils import atomic
+    real = atomic.write_atomically
     written = []
 
     def full_after_two(path, write):
@@ -205,7 +205,7 @@ def test_an_unwritable_out_is_one_line_exit_2_and_a_full_disk_exit_3(two_runs, t
             raise OSError(errno.ENOSPC, "No space left on device")
         written.append(os.path.basename(path))
         return real(path, write)
-    monkeypatch.setattr(reports, "write_atomically", full_after_two)
+    monkeypatch.setattr(atomic, "write_atomically", full_after_two)
     err = _one_line(capsys, [*two_runs, "--no_plots", "--out", str(tmp_path / "cmp")], 3)
     assert err.startswith("stopped: no space left to write under --out")
     assert sorted(os.listdir(tmp_path / "cmp")) == sorted(written)   # whole files only, no temporary

@@ -83,3 +83,20 @@ def test_incomplete_trees_are_refused_naming_the_folder(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "jagg_patch.tools.quality_report", str(root2)], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr
+
+
+def test_a_cut_off_evaluation_or_an_unwritable_out_is_one_line(tmp_path, capsys):
+    """As compare and tradeoff: bad input one line, exit 2 (a comparison.json cut off mid-write); an --out
+    that cannot be written one line, exit 2; the report's files are written whole."""
+    from jagg_patch.tools.quality_report import main
+    root = write_tree(tmp_path / "q")
+    (tmp_path / "a_file").write_text("in the way")
+    for argv, said in [([str(root), "--out", str(tmp_path / "a_file" / "out")], "error: cannot write under --out"),
+                       ([str(root)], "is not valid JSON")]:
+        if said == "is not valid JSON":
+            text = (root / "seed1" / "eval" / "comparison.json").read_text()
+            (root / "seed1" / "eval" / "comparison.json").write_text(text[:len(text) // 2])
+        with pytest.raises(SystemExit) as stop:
+            main(argv)
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(err.splitlines()) == 1 and said in err, err

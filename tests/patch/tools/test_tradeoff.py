@@ -187,11 +187,11 @@ def test_an_unwritable_out_is_one_line_exit_2_and_a_full_disk_exit_3(tree, tmp_p
     err = _one_line_exit(capsys, _argv(root, benches, "--out", str(tmp_path / "a_file" / "out")))
     assert err.startswith("error: cannot write under --out") and "a_file" in err
     import errno
-    from jagg_patch.tools import reports
+    from dancegrpo.utils import atomic
 
     def full(path, write):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(reports, "write_atomically", full)
+    monkeypatch.setattr(atomic, "write_atomically", full)
     err = _one_line_exit(capsys, _argv(root, benches, "--out", str(tmp_path / "out")), code=3)
     assert err.startswith("stopped: no space left to write under --out")
 
