@@ -275,17 +275,21 @@ def upstream_output_bytes(args):
 
 
 def reuse_plan_text(args, middles_per_sample, output_bytes=rollout_output_bytes):
-    """What --jagg_reuse_rollout saves per sample and costs per rank, with the configured GA."""
+    """What --jagg_reuse_rollout saves per sample and costs per rank, with the configured GA. The
+    rollout keeps every sample it draws; a trainer that trains fewer (HunyuanVideo's best-of-n) sets
+    args.jagg_trained_per_rank."""
     if args.jagg_reuse_rollout == "off" or middles_per_sample == 0:
         return f"  rollout reuse {args.jagg_reuse_rollout}: every middle member is forwarded without grad"
     per_rank = args.train_batch_size * (args.num_generations if args.use_group else 1)
-    reused = per_rank if args.jagg_reuse_rollout == "always" else min(args.gradient_accumulation_steps, per_rank)
+    trained = getattr(args, "jagg_trained_per_rank", None) or per_rank
+    reused = trained if args.jagg_reuse_rollout == "always" else min(args.gradient_accumulation_steps, trained)
     size = output_bytes(args)
     kept = ("keeps S model outputs per sample (their size is the model's output, not set by the flags alone)"
             if size is None else f"keeps {size / 2 ** 20:.2f} MiB per sample, "
                                  f"{size / 2 ** 20 * per_rank:.1f} MiB per rank at {args.h}x{args.w} (the outputs "
                                  "as the model computes them: bf16 under autocast)")
+    trains = f"{trained} samples per rank" if trained == per_rank else f"{trained} samples a rank trains"
     return (f"  rollout reuse {args.jagg_reuse_rollout}: {middles_per_sample:g} no-grad forwards per sample taken "
-            f"from the rollout for {reused} of the {per_rank} samples per rank (GA "
+            f"from the rollout for {reused} of the {trains} (GA "
             f"{args.gradient_accumulation_steps}{'; after the first optimizer step the outputs are stale' if args.jagg_reuse_rollout == 'always' and reused > args.gradient_accumulation_steps else ''}), "
-            f"{middles_per_sample * reused / per_rank:g} per sample on average; {kept}")
+            f"{middles_per_sample * reused / trained:g} per sample on average; {kept}")

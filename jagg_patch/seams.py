@@ -180,6 +180,10 @@ _QWEN_SAMPLE = ("args", "device", "transformer", "vae", "encoder_hidden_states",
 _QWEN_GRPO = ("args", "latents", "pre_latents", "encoder_hidden_states", "prompt_attention_masks", "txt_seq_lens",
               "img_shapes", "transformer", "timesteps", "i", "sigma_schedule")
 _EDIT_INPUTS = ("calculated_height", "calculated_width", "image_latents")
+_HUNYUAN_TRAIN = ("args", "device", "transformer", "vae", "inferencer", "optimizer", "lr_scheduler", "loader",
+                  "max_grad_norm", "step")
+_SKYREELS_TRAIN = ("args", "device", "transformer", "pipe_flux", "vae", "inferencer", "optimizer", "lr_scheduler",
+                   "loader", "max_grad_norm", "step", "empty_cond_hidden_states", "empty_cond_attention_mask")
 # train_one_step's parameter lists as the family's releases have them, newest first (Flux before
 # 2145e4f, and the LoRA trainer: without ema_handler).
 UPSTREAM_TRAIN_ONE_STEP = {
@@ -189,12 +193,16 @@ UPSTREAM_TRAIN_ONE_STEP = {
     "wan": (("args", "device", "transformer", "vae", "reward_model", "tokenizer", "optimizer", "lr_scheduler",
              "encoder_hidden_states", "negative_prompt_embeds", "caption", "noise_scheduler", "max_grad_norm",
              "preprocess_val"),),
+    "hunyuan": (_HUNYUAN_TRAIN,),
+    "skyreels_i2v": (_SKYREELS_TRAIN,),
 }
 # The parameters that tell a family's train_one_step apart, tested in this order (Qwen-Image-Edit's
 # has every parameter of Qwen-Image's).
 UPSTREAM_FAMILY_PARAMETERS = (("qwenimage_edit", ("prompt_embeds", "image_latents")),
                               ("qwenimage", ("prompt_embeds",)),
                               ("wan", ("negative_prompt_embeds",)),
+                              ("skyreels_i2v", ("inferencer", "empty_cond_hidden_states")),
+                              ("hunyuan", ("inferencer", "loader")),
                               ("flux", ("loader",)))
 UPSTREAM_SEAMS = {
     "flux": {"sample_reference_model": _FLUX_SAMPLE, "grpo_one_step": _FLUX_GRPO, "flux_step": _FLUX_STEP},
@@ -207,21 +215,34 @@ UPSTREAM_SEAMS = {
                                        "preprocess_val"),
             "grpo_one_step": ("args", "latents", "pre_latents", "encoder_hidden_states", "negative_prompt_embeds",
                               "transformer", "timesteps", "i", "sigma_schedule")},
+    "hunyuan": {"sample_reference_model": ("args", "step", "device", "transformer", "vae", "encoder_hidden_states",
+                                           "encoder_attention_mask", "inferencer", "caption"),
+                "grpo_one_step": ("args", "latents", "pre_latents", "encoder_hidden_states", "encoder_attention_mask",
+                                  "transformer", "timesteps", "i", "sigma_schedule"),
+                "flux_step": _FLUX_STEP},
+    "skyreels_i2v": {"sample_reference_model": ("args", "step", "device", "transformer", "pipe_flux", "vae",
+                                                "encoder_hidden_states", "encoder_attention_mask",
+                                                "empty_cond_hidden_states", "empty_cond_attention_mask", "inferencer",
+                                                "caption"),
+                     "grpo_one_step": ("args", "latents", "pre_latents", "encoder_hidden_states",
+                                       "encoder_attention_mask", "empty_cond_hidden_states",
+                                       "empty_cond_attention_mask", "transformer", "timesteps", "i", "sigma_schedule",
+                                       "first_frame_latents"),
+                     "flux_step": _FLUX_STEP},
 }
 # Functions called by the adapter whose parameter names it does not rely on (one positional argument).
 UPSTREAM_CALLED = ("gather_tensor",)
 # The values sample_reference_model returns: (rewards, all_latents, all_log_probs, sigma_schedule, then
 # Flux: all_image_ids | Qwen-Image: all_txt_seq_lens | Qwen-Image-Edit: all_txt_seq_lens, all_image_latents |
-# Wan: nothing more).
-UPSTREAM_ROLLOUT_VALUES = {"flux": 5, "qwenimage": 5, "qwenimage_edit": 6, "wan": 4}
+# Wan: nothing more); HunyuanVideo: (videos, z, vq, mq, all_latents, all_log_probs, sigma_schedule);
+# SkyReels-I2V: (videos, z, rewards, all_latents, all_log_probs, sigma_schedule, first_frame_latents).
+UPSTREAM_ROLLOUT_VALUES = {"flux": 5, "qwenimage": 5, "qwenimage_edit": 6, "wan": 4, "hunyuan": 7, "skyreels_i2v": 7}
 # Upstream's trainer files: those the adapter runs, and those it refuses (other shapes).
 UPSTREAM_TRAINER_FILES = {"train_grpo_flux.py": "flux", "train_grpo_flux_lora.py": "flux",
                           "train_grpo_qwenimage.py": "qwenimage", "train_grpo_qwenimage_edit.py": "qwenimage_edit",
-                          "train_grpo_wan_2_1.py": "wan"}
+                          "train_grpo_wan_2_1.py": "wan", "train_grpo_hunyuan.py": "hunyuan",
+                          "train_grpo_skyreels_i2v.py": "skyreels_i2v"}
 UPSTREAM_UNSUPPORTED_FILES = {   # upstream's other trainers, refused by name before they are imported
-    "train_grpo_hunyuan.py": "upstream's HunyuanVideo trainer (fastvideo's own model code, a VideoAlign reward)",
-    "train_grpo_skyreels_i2v.py": "upstream's SkyReels image-to-video trainer (fastvideo's own model code, a "
-                                  "VideoAlign reward)",
     "train_grpo_sd.py": "upstream's Stable Diffusion DDIM trainer, whose loop is inline in main() (no "
                         "train_one_step / grpo_one_step / flux_step seam)",
 }
@@ -230,27 +251,49 @@ UPSTREAM_UNSUPPORTED_FILES = {   # upstream's other trainers, refused by name be
 @dataclass(frozen=True)
 class UpstreamRelease:
     """One known source of upstream's train_one_step: its token hash (jagg_patch.upstream.tokenhash),
-    family, the files and commits that have it, its parameter list and the reward file it appends to."""
+    family, the files and commits that have it, its parameter list and the reward files it appends to,
+    in its order."""
     token_hash: str
     family: str
     commits: str
     parameters: tuple
-    reward_file: str
+    reward_files: tuple
+
+
+@dataclass(frozen=True)
+class RefusedRelease:
+    """A release refused by name: its train_one_step's token hash, its file and parameter count, why."""
+    token_hash: str
+    file: str
+    parameters: int
+    reason: str
 
 
 # Every release of train_one_step since open-sourcing, newest first within a family. A file whose
 # train_one_step hashes to none of these runs with a warning naming the nearest of its family.
 UPSTREAM_RELEASES = (
     UpstreamRelease("ac4b353cdcc7f665", "flux", "train_grpo_flux.py 2145e4f .. 15cc71d", _FLUX_TRAIN,
-                    "./reward.txt"),
+                    ("./reward.txt",)),
     UpstreamRelease("289a6c265fedb7c7", "flux", "train_grpo_flux.py bbf5278, train_grpo_flux_lora.py ff7bee1 .. "
-                    "15cc71d", _FLUX_TRAIN[:-1], "./reward.txt"),
+                    "15cc71d", _FLUX_TRAIN[:-1], ("./reward.txt",)),
     UpstreamRelease("c7a2fcac1dc57e74", "flux", "train_grpo_flux.py 93ec253 .. 2af04bd", _FLUX_TRAIN[:-1],
-                    "./hps_reward.txt"),
+                    ("./hps_reward.txt",)),
     UpstreamRelease("465f923956336644", "qwenimage", "train_grpo_qwenimage.py 9679174 .. 15cc71d", _QWEN_TRAIN,
-                    "./reward.txt"),
+                    ("./reward.txt",)),
     UpstreamRelease("ff2ee0b57cf90003", "qwenimage_edit", "train_grpo_qwenimage_edit.py 46f02b8 .. 15cc71d",
-                    UPSTREAM_TRAIN_ONE_STEP["qwenimage_edit"][0], "./reward.txt"),
+                    UPSTREAM_TRAIN_ONE_STEP["qwenimage_edit"][0], ("./reward.txt",)),
     UpstreamRelease("127e437113921902", "wan", "train_grpo_wan_2_1.py 2d3371a .. 15cc71d",
-                    UPSTREAM_TRAIN_ONE_STEP["wan"][0], "./reward.txt"),
+                    UPSTREAM_TRAIN_ONE_STEP["wan"][0], ("./reward.txt",)),
+    UpstreamRelease("fae5119519022108", "hunyuan", "train_grpo_hunyuan.py be8cf11 .. 15cc71d", _HUNYUAN_TRAIN,
+                    ("./vq_reward.txt", "./mq_reward.txt")),
+    UpstreamRelease("f6253f76230e7ee4", "skyreels_i2v", "train_grpo_skyreels_i2v.py 61afbf2 .. 15cc71d",
+                    _SKYREELS_TRAIN, ("./reward.txt",)),
+)
+# Releases of a supported file that are another trainer than the one the adapter restates: refused in one
+# line, by the token hash of their train_one_step or by their file name and parameter count.
+UPSTREAM_REFUSED_RELEASES = (
+    RefusedRelease("f03e20a33286d92c", "train_grpo_hunyuan.py", 26,
+                   "the HunyuanVideo trainer of 93ec253 (2025-05-28, the open-sourcing release), a different, older "
+                   "trainer (its train_one_step takes 26 parameters); jagg_patch.upstream runs train_grpo_hunyuan.py "
+                   "from be8cf11 on (its 10-parameter train_one_step): update the checkout"),
 )

@@ -18,9 +18,11 @@ from helpers import REPO_ROOT
 STANDIN = os.path.join(REPO_ROOT, "tests", "upstream_standin")
 # The stand-in trainers, by a key of their own; the family the adapter tells them apart as.
 FILES = {"flux": "train_grpo_flux.py", "flux_lora": "train_grpo_flux_lora.py", "qwenimage": "train_grpo_qwenimage.py",
-         "qwenimage_edit": "train_grpo_qwenimage_edit.py", "wan": "train_grpo_wan_2_1.py"}
+         "qwenimage_edit": "train_grpo_qwenimage_edit.py", "wan": "train_grpo_wan_2_1.py",
+         "hunyuan": "train_grpo_hunyuan.py", "skyreels": "train_grpo_skyreels_i2v.py"}
 FAMILY = {"flux": "flux", "flux_lora": "flux", "qwenimage": "qwenimage", "qwenimage_edit": "qwenimage_edit",
-          "wan": "wan"}
+          "wan": "wan", "hunyuan": "hunyuan", "skyreels": "skyreels_i2v"}
+VIDEO = ("hunyuan", "skyreels")
 B, GA = 4, 2   # one prompt x 4 generations per step; two optimizer steps per step
 
 
@@ -89,6 +91,9 @@ class Standin:
         self.key, self.family = key, FAMILY[key]
         self.module = load_trainer(path or standin_file(key))
         setup = standin_setup()
+        if key in VIDEO:
+            self._video(setup, tmp_path, group, flags)
+            return
         self.args = setup.standin_parser().parse_args(
             ["--cache_dir", cache_dir, "--output_dir", str(tmp_path / "out"), "--num_generations", str(B),
              "--gradient_accumulation_steps", str(GA), "--clip_range", "0.05", "--max_grad_norm", "1e9",
@@ -107,12 +112,33 @@ class Standin:
                                                                    torch.float64))
         self.initial = copy.deepcopy(self.transformer.state_dict())
 
+    def _video(self, setup, tmp_path, group, flags):
+        """Upstream's video parser (no --clip_range / --adv_clip_max), VideoAlign on, 2 prompts per step
+        without --use_group."""
+        self.args = setup.video_parser(self.key).parse_args(
+            ["--output_dir", str(tmp_path / "out"), "--num_generations", str(B), "--gradient_accumulation_steps",
+             str(GA), "--max_grad_norm", "1e9", "--sampling_steps", "8", "--timestep_fraction", "0.6",
+             "--use_videoalign", *(["--bestofn", str(B)] if self.key == "hunyuan" else []),
+             *(["--use_group"] if group else []), *map(str, flags)])
+        self.transformer = setup.load_video_transformer(self.key, torch.float64)
+        self.loader_batch = next(setup.video_prompts(1 if group else B, torch.float64))
+        self.empty = setup.empty_prompt(torch.float64)
+        self.initial = copy.deepcopy(self.transformer.state_dict())
+        self.lr = 1e-6   # AdamW's first step moves each weight by about lr: ratios stay within the clip 1e-4
+
     def trainable(self):
         return [p for p in self.transformer.parameters() if p.requires_grad]
 
     def arguments(self, optimizer, scheduler):
         """train_one_step's arguments, positionally, as upstream's main passes them."""
         setup = standin_setup()
+        if self.key == "hunyuan":
+            return (self.args, torch.device("cpu"), self.transformer, None, setup.VideoAlign(), optimizer, scheduler,
+                    iter([self.loader_batch]), self.args.max_grad_norm, 1)
+        if self.key == "skyreels":
+            return (self.args, torch.device("cpu"), self.transformer, setup.FirstFramePipe(), setup.FirstFrameVAE(),
+                    setup.VideoAlign(), optimizer, scheduler, iter([self.loader_batch]), self.args.max_grad_norm, 1,
+                    *self.empty)
         common = (self.args, torch.device("cpu"), self.transformer, None, setup.latent_reward, None, optimizer,
                   scheduler)
         tail = (None, self.args.max_grad_norm, None)
@@ -126,7 +152,7 @@ class Standin:
         self.transformer.load_state_dict(self.initial)
         self.transformer.zero_grad(set_to_none=True)
         trainable = self.trainable()
-        optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+        optimizer = torch.optim.AdamW(trainable, lr=getattr(self, "lr", 1e-3))
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
         grads = []
         optimizer.register_step_pre_hook(lambda *_: grads.append(grad_of(trainable)))
@@ -254,3 +280,132 @@ def reference_jagg_gradient(standin, result, steps, advantages, normaliser, alph
         grads = torch.autograd.grad([outputs[0], outputs[-1]], params, [s_base, s_corr], allow_unused=True)
         total = [acc + (0 if g is None else g) for acc, g in zip(total, grads)]
     return flat(total)
+
+
+# ---------------------------------------------------------------- the video trainers' reference
+
+def video_rollout(standin, result):
+    """(rewards by name, all_latents, all_log_probs, sigma_schedule) of a video stand-in's rollout result."""
+    if standin.key == "hunyuan":
+        _, _, vq, mq, all_latents, all_log_probs, sigmas = result
+        return {"vq": vq.float(), "mq": mq.float()}, all_latents, all_log_probs, sigmas
+    _, _, rewards, all_latents, all_log_probs, sigmas, _ = result
+    return {"reward": rewards.float()}, all_latents, all_log_probs, sigmas
+
+
+def video_advantages(standin, rewards):
+    """Each reward's advantages as the stand-in's step computes them (written here again): HunyuanVideo per
+    block of num_generations always; SkyReels per group, or by the rewards' own statistics without groups."""
+    g = standin.args.num_generations
+
+    def per_block(r):
+        out = torch.zeros_like(r)
+        for s in range(0, len(r) // g * g, g):
+            out[s:s + g] = (r[s:s + g] - r[s:s + g].mean()) / (r[s:s + g].std() + 1e-8)
+        return out
+    if standin.key == "hunyuan" or standin.args.use_group:
+        return {name: per_block(r) for name, r in rewards.items()}
+    return {name: (r - r.mean()) / (r.std() + 1e-8) for name, r in rewards.items()}
+
+
+def video_selection_and_draw(standin, advantages, rng_after_rollout, trained):
+    """(the trained samples' rollout rows, each one's first `trained` transitions of its randperm), drawn
+    as the stand-in's step draws them right after its rollout: HunyuanVideo's best-of-n shuffle first."""
+    args, rows = standin.args, torch.arange(len(next(iter(advantages.values()))))
+    torch.set_rng_state(rng_after_rollout)
+    if standin.key == "hunyuan":
+        order = torch.argsort(args.vq_coef * advantages["vq"] + args.mq_coef * advantages["mq"])
+        picked = torch.cat([order[len(order) - (args.bestofn + 1) // 2:], order[:args.bestofn // 2]])
+        picked = picked[torch.randperm(len(picked))]
+        rows = rows if args.num_generations == args.bestofn else picked
+    steps = torch.stack([torch.randperm(args.sampling_steps - 1) for _ in range(len(rows))])[:, :trained]
+    return rows, steps
+
+
+def video_kwargs(standin, result, row):
+    """grpo_one_step's conditioning arguments for rollout row `row` (batch 1), as the stand-ins build them."""
+    rep = (lambda t: t.repeat_interleave(standin.args.num_generations, dim=0)) if standin.args.use_group else (
+        lambda t: t)
+    prompt, mask, _ = standin.loader_batch
+    values = {"encoder_hidden_states": rep(prompt)[row:row + 1], "encoder_attention_mask": rep(mask)[row:row + 1]}
+    if standin.key == "skyreels":
+        values.update(empty_cond_hidden_states=standin.empty[0][None], empty_cond_attention_mask=standin.empty[1][None],
+                      first_frame_latents=result[6])
+    return values
+
+
+def reference_video_gradient(standin, result, rows, steps, advantages, window, jagg_frac, alpha="timestep"):
+    """The JAGG gradient of one step of a video stand-in, float64 autograd of its own grpo_one_step:
+    per trained sample, its trained transitions in denoising order cut into groups of `window`, the first
+    round_half_up(groups * jagg_frac) (of 2 or more) as J_0^T s_base + J_{W-1}^T s_corr with alpha from
+    the integer model timesteps or the member index, the others each member's own backward; the loss
+    with the trainers' constants (clip 1e-4, advantage clamp 5.0), HunyuanVideo's vq_coef * L_vq +
+    mq_coef * L_mq; normalised by GA * trained transitions."""
+    module, args, params = standin.module, standin.args, standin.trainable()
+    _, all_latents, all_log_probs, sigmas = video_rollout(standin, result)
+    coefs = {"vq": args.vq_coef, "mq": args.mq_coef} if standin.key == "hunyuan" else {"reward": 1.0}
+    normaliser = args.gradient_accumulation_steps * steps.shape[1]
+    total = [torch.zeros_like(p) for p in params]
+
+    def add(grads):
+        for acc, g in zip(total, grads):
+            if g is not None:
+                acc += g
+    for row, trained in zip(rows.tolist(), steps):
+        ks = sorted(int(k) for k in trained)
+
+        def call(k, model):
+            return module.grpo_one_step(args=args, latents=all_latents[row:row + 1, k],
+                                        pre_latents=all_latents[row:row + 1, k + 1], transformer=model,
+                                        timesteps=torch.tensor([int(sigmas[k] * 1000)]), i=torch.tensor(k),
+                                        sigma_schedule=sigmas, **video_kwargs(standin, result, row))
+
+        def loss_at(k, v):
+            ratio = torch.exp(call(k, _Recording(standin.transformer, v)) - all_log_probs[row:row + 1, k])
+            loss = 0
+            for name, coef in coefs.items():
+                adv = advantages[name][row:row + 1].clamp(-5.0, 5.0)
+                term = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - 1e-4, 1 + 1e-4))
+                loss = loss + coef * (torch.mean(term) / normaliser)
+            return loss
+
+        chunks = [ks[i:i + window] for i in range(0, len(ks), window)]
+        n_jagg = int(len(chunks) * jagg_frac + 0.5)
+        for g, members in enumerate(chunks):
+            outputs = []
+            for k in members:
+                recording = _Recording(standin.transformer)
+                call(k, recording)
+                outputs.append(recording.output)
+            if g >= n_jagg or len(members) < 2:
+                add(torch.autograd.grad(sum(loss_at(k, v) for k, v in zip(members, outputs)), params,
+                                        allow_unused=True))
+                continue
+            t = torch.tensor([float(int(sigmas[k] * 1000)) for k in members], dtype=torch.float64)
+            index = torch.arange(len(members), dtype=torch.float64) / (len(members) - 1)
+            alphas = ((t[0] - t) / (t[0] - t[-1]) if alpha == "timestep" else index).tolist()
+            upstream = []
+            for k, v in zip(members, outputs):
+                proxy = v.detach().requires_grad_(True)
+                upstream.append(torch.autograd.grad(loss_at(k, proxy), proxy)[0])
+            s_base = sum((1 - a) * s for a, s in zip(alphas, upstream))
+            s_corr = sum(a * s for a, s in zip(alphas, upstream))
+            add(torch.autograd.grad([outputs[0], outputs[-1]], params, [s_base, s_corr], allow_unused=True))
+    return flat(total)
+
+
+def video_jagg_step(standin, **config):
+    """One train_one_step of a video stand-in under apply(**config): (its gradient at each optimizer step,
+    its stats, the rollout's result, the global RNG state right after the rollout, its returns), the
+    weights restored afterwards."""
+    from jagg_patch.upstream import apply, revert
+    box, original = recorded_rollout(standin.module)
+    apply(standin.module, **config)
+    try:
+        out, grads, _, _ = standin.step()
+        stats = standin.module.train_one_step.last_stats
+    finally:
+        revert(standin.module)
+        standin.module.sample_reference_model = original
+    standin.transformer.load_state_dict(standin.initial)
+    return grads, stats, box["result"], box["rng"], out

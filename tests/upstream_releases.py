@@ -8,6 +8,11 @@ train_grpo_flux.py, newest first:
   2145e4f             flux_step's log-prob without its -log(std) - log(sqrt(2 pi)) terms (fixed in 9ac72b4)
   bbf5278             and train_one_step without ema_handler (added in 2145e4f)
   93ec253 .. 2af04bd  and ./hps_reward.txt with "hps reward" prints (renamed in bbf5278)
+
+train_grpo_hunyuan.py (train_one_step unchanged since be8cf11):
+  9ac72b4 .. 15cc71d  the stand-in as it is
+  be8cf11, 0d761fa    flux_step's log-prob without its constant terms (as Flux before 9ac72b4)
+(93ec253's HunyuanVideo trainer is another trainer, refused: not a release the adapter runs.)
 """
 import os
 
@@ -41,12 +46,17 @@ RELEASES = (
     ("qwenimage@9679174", "qwenimage", "9679174 6c014c9 15cc71d", []),
     ("qwenimage_edit@46f02b8", "qwenimage_edit", "46f02b8 6c014c9 15cc71d", []),
     ("wan@2d3371a", "wan", "2d3371a 15cc71d", []),
+    ("hunyuan@9ac72b4", "hunyuan", "9ac72b4 ff7bee1 15cc71d", []),
+    ("hunyuan@be8cf11", "hunyuan", "be8cf11 0d761fa", [_MATH, _OLD_LOG_PROB]),
+    ("skyreels@61afbf2", "skyreels", "61afbf2 15cc71d", []),
 )
 # Which entry of jagg_patch.seams.UPSTREAM_RELEASES each stand-in release stands for.
 RECORDED_AS = {"flux@9ac72b4": "ac4b353cdcc7f665", "flux@2145e4f": "ac4b353cdcc7f665",
                "flux@bbf5278": "289a6c265fedb7c7", "flux@93ec253": "c7a2fcac1dc57e74",
                "flux_lora@ff7bee1": "289a6c265fedb7c7", "qwenimage@9679174": "465f923956336644",
-               "qwenimage_edit@46f02b8": "ff2ee0b57cf90003", "wan@2d3371a": "127e437113921902"}
+               "qwenimage_edit@46f02b8": "ff2ee0b57cf90003", "wan@2d3371a": "127e437113921902",
+               "hunyuan@9ac72b4": "fae5119519022108", "hunyuan@be8cf11": "fae5119519022108",
+               "skyreels@61afbf2": "f6253f76230e7ee4"}
 
 
 def release(name):
@@ -76,7 +86,7 @@ def standin_releases(token_hashes):
     table = []
     for real in UPSTREAM_RELEASES:
         (found,) = by_real[real.token_hash]   # one stand-in hash per recorded one, as the references group them
-        table.append(UpstreamRelease(found, real.family, real.commits, real.parameters, real.reward_file))
+        table.append(UpstreamRelease(found, real.family, real.commits, real.parameters, real.reward_files))
     return tuple(table)
 
 

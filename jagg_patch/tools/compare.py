@@ -9,7 +9,9 @@ Each RUN_DIR is one of (the first run is the reference):
   jagg_metrics.jsonl (its last run, by run_id, when several were written there): times, counts and
   the gathered reward; run with `--jagg_mode exact` it is upstream's own step, the vanilla side;
 - a plain upstream run's reward file (./reward.txt, or ./hps_reward.txt before bbf5278; line k is
-  step k's mean reward), or a folder holding one: its reward curve, no times or counts.
+  step k's mean reward), or a folder holding one: its reward curve, no times or counts; a HunyuanVideo
+  run's ./vq_reward.txt and ./mq_reward.txt are read together (the reward: VQ; final MQ / VQ moving
+  averages in their own fields, as for an adapter's HunyuanVideo run, which logs both).
 Printed, one row per run:
 
 - steps: distinct steps in metrics.jsonl (a step logged twice, e.g. after a resume, counts once:
@@ -69,20 +71,25 @@ class CompareError(ConfigError):
 
 METRICS_FILES = ("metrics.jsonl", "jagg_metrics.jsonl")   # this trainer's | jagg_patch.upstream's
 REWARD_FILES = ("reward.txt", "hps_reward.txt")          # a plain upstream run's
+VIDEO_REWARD_FILES = ("vq_reward.txt", "mq_reward.txt")   # a plain upstream HunyuanVideo run's
 
 
 def load_metrics(run_dir, warn=warn):
     """The run's records, one per step in step order (the last record of a step wins): from a
     metrics file, or a reward file (rewards only)."""
+    if os.path.isfile(run_dir) and os.path.basename(run_dir) in VIDEO_REWARD_FILES:
+        return load_video_reward_files(os.path.dirname(run_dir) or ".", warn)
     if os.path.isfile(run_dir) and os.path.basename(run_dir).endswith("reward.txt"):
         return load_reward_file(run_dir)
     if not os.path.isdir(run_dir):
         raise CompareError(f"run folder {run_dir!r} does not exist")
-    found = [os.path.join(run_dir, name) for name in METRICS_FILES + REWARD_FILES
+    found = [os.path.join(run_dir, name) for name in METRICS_FILES + REWARD_FILES + VIDEO_REWARD_FILES
              if os.path.isfile(os.path.join(run_dir, name))]
     if not found:
         raise CompareError(f"{run_dir!r} holds none of metrics.jsonl (this trainer's --output_dir), "
                            "jagg_metrics.jsonl (jagg_patch.upstream's) or reward.txt (a plain upstream run's)")
+    if os.path.basename(found[0]) in VIDEO_REWARD_FILES:
+        return load_video_reward_files(run_dir, warn)
     if found[0].endswith("reward.txt"):
         return load_reward_file(found[0])
     records = read_json_lines(found[0], warn)
@@ -122,6 +129,27 @@ def load_reward_file(path):
     if not rewards:
         raise CompareError(f"{path!r} holds no rewards (did the run finish its first step?)")
     return [{"step": k, "reward_mean": r} for k, r in enumerate(rewards, 1)]
+
+
+def load_video_reward_files(folder, warn=warn):
+    """A plain upstream HunyuanVideo run's vq_reward.txt and mq_reward.txt (line k: step k's mean
+    VideoAlign reward): vq_reward_mean, mq_reward_mean, and as reward_mean the VQ reward, which
+    upstream's recipe trains on (--vq_coef 1 --mq_coef 0; the file does not say the run's weights)."""
+    rewards = {}
+    for name in VIDEO_REWARD_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            rewards[name.split("_")[0]] = [r["reward_mean"] for r in load_reward_file(path)]
+    if len({len(r) for r in rewards.values()}) > 1:
+        warn(f"{folder}: vq_reward.txt and mq_reward.txt hold {len(rewards['vq'])} and {len(rewards['mq'])} steps; "
+             "reading the steps both hold")
+    steps = min(len(r) for r in rewards.values())
+    main = "vq" if "vq" in rewards else "mq"
+    why = "the one upstream's recipe trains on: --vq_coef 1 --mq_coef 0" if main == "vq" else "no vq_reward.txt"
+    warn(f"{folder}: a HunyuanVideo run's reward files; its reward here is the {main.upper()} reward ({why}); "
+         "both are kept as vq_reward_mean / mq_reward_mean")
+    return [{"step": k + 1, "reward_mean": rewards[main][k], **{f"{name}_reward_mean": r[k] for name, r in rewards.items()}}
+            for k in range(steps)]
 
 
 def read_json(path, rerun):
@@ -206,10 +234,21 @@ def summarize(label, records, ma_window=10, skip_first=1):
                first_reward=rewards[0] if rewards else float("nan"),
                final_ma_reward=ma[-1] if ma else float("nan"),
                best_ma_reward=max(full) if full else float("nan"),
+               **video_rewards(records, window),
                nonfinite="; ".join(f"{f} at steps {s[:5]}" for f, s in bad.items()))
     if bad:
         row.update(final_ma_reward=float("nan"), best_ma_reward=float("nan"))
     return row, rewards, ma
+
+
+def video_rewards(records, window):
+    """A HunyuanVideo run's final moving averages of each VideoAlign reward (none for other runs)."""
+    found = {}
+    for name in ("vq", "mq"):
+        values = [float(r[f"{name}_reward_mean"]) for r in records if f"{name}_reward_mean" in r]
+        if values:
+            found[f"final_ma_{name}_reward"] = moving_average(values, min(window, len(values)))[-1]
+    return found
 
 
 def _gain(t, ref):

@@ -1,8 +1,8 @@
 """python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
 
 Runs an upstream DanceGRPO trainer file (fastvideo/train_grpo_flux.py, train_grpo_flux_lora.py,
-train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py) with its train_one_step
-replaced by JAGG. Works the same under torchrun.
+train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py, train_grpo_hunyuan.py,
+train_grpo_skyreels_i2v.py) with its train_one_step replaced by JAGG. Works the same under torchrun.
 """
 import argparse
 import os
@@ -12,6 +12,7 @@ from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.launch import launch_rank
 
 from ..cli import add_jagg_args, check_trajectory, fail, jagg_config, jagg_plan_text, monitor_for_auto
+from ..settings import resolve_backward
 from .fingerprint import (UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint,
                           refuse_unsupported_file)
 from .loader import load_trainer, run_main_block
@@ -21,8 +22,8 @@ USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [ups
        python -m jagg_patch.upstream --jagg_fingerprint TRAINER.py
 
 Run an unmodified upstream DanceGRPO trainer (train_grpo_flux.py, train_grpo_flux_lora.py,
-train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py; any release) with its
-train_one_step replaced by JAGG; its own flags follow the file, unchanged. JAGG flags (removed
+train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py, train_grpo_hunyuan.py,
+train_grpo_skyreels_i2v.py; any release since open-sourcing) with its train_one_step replaced by JAGG; its own flags follow the file, unchanged. JAGG flags (removed
 before upstream's parser sees the argv):
   --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
   --jagg_alpha timestep|index  --jagg_grouping trained|window
@@ -94,17 +95,13 @@ def _take_jagg_flags(parser, args, stop_at_positional=False):
     return jagg, others
 
 
-# The flags of upstream's parser that the restated step and the plan read.
-READ_FLAGS = ("use_group", "num_generations", "train_batch_size", "gradient_accumulation_steps", "sampling_steps",
-              "timestep_fraction", "clip_range", "adv_clip_max")
-
-
 def preflight(upstream_args, jagg, family, trainer=None):
     """The checks that need upstream's parsed flags, before upstream's main loads anything; then what
     the file was found to be (`trainer`, a fingerprint.Trainer) and the plan."""
     from .families import FAMILIES
     from .step import needs_group
-    missing = [name for name in READ_FLAGS if not hasattr(upstream_args, name)]
+    rules = FAMILIES[family]
+    missing = [name for name in rules.read_flags if not hasattr(upstream_args, name)]
     if missing:
         fail(f"upstream's parser gave no {', '.join('--' + m for m in missing)}, which jagg_patch.upstream reads "
              f"as upstream's {family} train_one_step does; is this the trainer's own parser? See "
@@ -113,10 +110,13 @@ def preflight(upstream_args, jagg, family, trainer=None):
     if FAMILIES[family].needs_group and not getattr(upstream_args, "use_group", False):
         fail(needs_group(family) + "; add --use_group")
     per_rank = upstream_args.train_batch_size * (upstream_args.num_generations if upstream_args.use_group else 1)
-    if upstream_args.gradient_accumulation_steps > per_rank:
-        fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {per_rank} "
+    trained = rules.trained_samples(upstream_args, per_rank)
+    if upstream_args.gradient_accumulation_steps > trained:
+        fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {trained} "
              "samples a rank trains per step, so train_one_step would never step the optimizer (upstream then "
              "fails on an unbound grad_norm); lower it")
+    choose_backward(rules, upstream_args, jagg, per_rank)
+    merged.jagg_backward, merged.jagg_trained_per_rank = jagg.jagg_backward, trained
     check_trajectory(merged)   # it may lower --jagg_monitor_samples to the samples a rank trains
     jagg.jagg_monitor_samples = merged.jagg_monitor_samples
     try:
@@ -133,6 +133,25 @@ def preflight(upstream_args, jagg, family, trainer=None):
         if jagg.jagg_frac == "auto" and getattr(upstream_args, "resume_from_checkpoint", None):
             print("notice: a resumed upstream run starts its --jagg_frac auto routing afresh: upstream's checkpoints "
                   "hold no state of the adapter, so it measures at its first step and routes from there", flush=True)
+
+
+def choose_backward(rules, upstream_args, jagg, rows):
+    """The family's refusals of these flags; `--jagg_backward auto` where it would pick a form the
+    trainer cannot run (SkyReels' batched forward under --cfg_infer > 1) becomes split, said once."""
+    try:
+        rules.check_run(upstream_args, resolve_backward(jagg.jagg_backward), rows)
+        return
+    except ValueError as e:
+        if jagg.jagg_backward != "auto":
+            fail(str(e))
+        refused = str(e)
+    try:
+        rules.check_run(upstream_args, "split", rows)
+    except ValueError as e:
+        fail(str(e))
+    jagg.jagg_backward = "split"
+    if launch_rank() == 0:
+        print(f"notice: --jagg_backward auto runs split here, not batched: {refused.split(': ', 1)[-1]}", flush=True)
 
 
 def load_or_fail(script):
@@ -173,10 +192,11 @@ def main(argv=None):
 
     def checked_main(args):
         preflight(args, jagg, family, trainer)
-        if config.monitor_every and jagg.jagg_monitor_samples != config.monitor_samples:
-            # lowered to the samples a rank trains: the update measures that many too
-            apply(module, config.replace(monitor_samples=jagg.jagg_monitor_samples),
-                  allow_upstream_changes=jagg.jagg_allow_upstream_changes)
+        # lowered to the samples a rank trains (the update measures that many too), or auto's backward
+        # turned to one the trainer runs
+        changed = {"monitor_samples": jagg.jagg_monitor_samples, "backward": jagg.jagg_backward}
+        if any(getattr(config, name) != value for name, value in changed.items()):
+            apply(module, config.replace(**changed), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
         return upstream_main(args)
 
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name

@@ -14,9 +14,9 @@ import warnings
 from dataclasses import dataclass
 
 from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_FAMILY_PARAMETERS, UPSTREAM_RELEASES,
-                     UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP, UPSTREAM_TRAINER_FILES,
-                     UPSTREAM_UNSUPPORTED_FILES)
-from .tokenhash import function_source, token_hash, token_hashes
+                     UPSTREAM_REFUSED_RELEASES, UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP,
+                     UPSTREAM_TRAINER_FILES, UPSTREAM_UNSUPPORTED_FILES)
+from .tokenhash import function_source, hash_tokens, source_tokens, token_hash, token_hashes
 
 DOCS_PAGE = "docs/upstream_adapter.md"
 DOCS_SECTION = f'{DOCS_PAGE}, "When the fingerprint fires"'
@@ -38,13 +38,14 @@ class UpstreamSourceChanged(UserWarning):
 @dataclass(frozen=True)
 class Trainer:
     """What the checks found: the family, the known release (None: an unknown source), and what the
-    restated step takes from upstream's own train_one_step (the reward file and print labels)."""
+    restated step takes from upstream's own train_one_step (the reward files, in its order, and the
+    print labels)."""
     family: str
     file: str
     release: object
-    reward_file: str
+    reward_files: tuple
     reward_label: str
-    gathered_label: str
+    gathered_labels: tuple
 
     def release_text(self):
         """The known release's files and commits, this file's only where the release lists several
@@ -57,7 +58,9 @@ class Trainer:
     def describe(self):
         known = self.release_text()
         known = f"train_one_step of {known}" if known else "train_one_step of no known release"
-        return f"{os.path.basename(self.file)}: family {self.family}, {known}, reward file {self.reward_file}"
+        files = ", ".join(self.reward_files)
+        return (f"{os.path.basename(self.file)}: family {self.family}, {known}, "
+                f"reward file{'s' if len(self.reward_files) > 1 else ''} {files}")
 
 
 def param_names(fn):
@@ -81,6 +84,24 @@ def refuse_unsupported_file(path):
     if "train_one_step" not in _top_level_names(tree):
         raise UpstreamUnsupported(f"{path} has no function train_one_step, which jagg_patch.upstream replaces: "
                                   f"is it an upstream DanceGRPO trainer? Supported: {SUPPORTED}")
+    definition = next((node for node in tree.body if isinstance(node, ast.FunctionDef)
+                       and node.name == "train_one_step"), None)
+    if definition is not None:
+        lines = open(path).read().splitlines(keepends=True)
+        source = "".join(lines[definition.lineno - 1:definition.end_lineno])
+        hashes = {hash_tokens(source_tokens(source)), hash_tokens(source_tokens(source, join_fstrings=False))}
+        arguments = definition.args
+        count = sum(map(len, (arguments.posonlyargs, arguments.args, arguments.kwonlyargs)))
+        _refuse_release(path, count + (arguments.vararg is not None) + (arguments.kwarg is not None), hashes)
+
+
+def _refuse_release(path, parameters, hashes):
+    """UpstreamUnsupported for a release of a supported file that is another trainer (by the token
+    hash of its train_one_step, or by file name and parameter count: jagg_patch.seams.UPSTREAM_REFUSED_RELEASES)."""
+    name = os.path.basename(path)
+    for release in UPSTREAM_REFUSED_RELEASES:
+        if release.token_hash in hashes or (name == release.file and parameters == release.parameters):
+            raise UpstreamUnsupported(f"{name} is {release.reason}")
 
 
 def _refuse_by_name(path):
@@ -111,6 +132,11 @@ def family_of(module):
     if not callable(fn):
         raise UpstreamUnsupported(f"{_file(module)} has no function train_one_step, which jagg_patch.upstream "
                                   f"replaces: is it an upstream DanceGRPO trainer? Supported: {SUPPORTED}")
+    try:
+        hashes = set(token_hashes(fn))
+    except (OSError, TypeError):   # no readable source: told by name and parameters alone
+        hashes = set()
+    _refuse_release(_file(module), len(param_names(fn)), hashes)
     params = set(param_names(fn))
     for family, marks in UPSTREAM_FAMILY_PARAMETERS:
         if params.issuperset(marks):
@@ -132,8 +158,8 @@ def _nearest_list(found, lists):
 
 
 def _literals(fn):
-    """The plain string constants of fn's own source (not the pieces of an f-string); empty when
-    the source is not readable."""
+    """The plain string constants of fn's own source (not the pieces of an f-string), in source
+    order; empty when the source is not readable."""
     try:
         tree = ast.parse(function_source(fn))
     except (OSError, TypeError, SyntaxError, ValueError):
@@ -142,16 +168,17 @@ def _literals(fn):
     while todo:
         node = todo.pop(0)
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
-            found.append(node.value)
+            found.append(((node.lineno, node.col_offset), node.value))
         if not isinstance(node, ast.JoinedStr):
             todo.extend(ast.iter_child_nodes(node))
-    return found
+    return [value for _, value in sorted(found, key=lambda item: item[0])]
 
 
-def reward_file_of(fn):
-    """The ./...reward.txt file train_one_step appends the mean reward to (it was ./hps_reward.txt
-    before bbf5278), read from its own source; None if it names none."""
-    return next((s for s in _literals(fn) if s.endswith("reward.txt")), None)
+def reward_files_of(fn):
+    """The ./...reward.txt files train_one_step appends mean rewards to, in its order (./reward.txt;
+    ./hps_reward.txt before bbf5278; HunyuanVideo's ./vq_reward.txt, ./mq_reward.txt), read from its
+    own source; empty if it names none."""
+    return tuple(dict.fromkeys(s for s in _literals(fn) if s.endswith("reward.txt")))
 
 
 def _returned_tuple_sizes(fn):
@@ -195,7 +222,7 @@ def signature_changes(module, family):
     if sizes - {UPSTREAM_ROLLOUT_VALUES[family]}:
         changes.append(f"sample_reference_model returns {sorted(sizes)} values, expected "
                        f"{UPSTREAM_ROLLOUT_VALUES[family]}")
-    if reward_file_of(module.train_one_step) is None:
+    if not reward_files_of(module.train_one_step):
         changes.append("train_one_step names no ./reward.txt file to append the mean reward to")
     return changes
 
@@ -210,11 +237,11 @@ def known_release(fn, family, releases=UPSTREAM_RELEASES):
 def nearest_release(fn, family, releases=UPSTREAM_RELEASES):
     """The known release of the family most like fn: the same parameter list first, then the same
     reward file; the newest among equals (the table lists the newest first)."""
-    params, reward_file = param_names(fn), reward_file_of(fn)
+    params, reward_files = param_names(fn), reward_files_of(fn)
     candidates = [r for r in releases if r.family == family]
     if not candidates:
         return None
-    return max(candidates, key=lambda r: 2 * (r.parameters == params) + (r.reward_file == reward_file))
+    return max(candidates, key=lambda r: 2 * (r.parameters == params) + (r.reward_files == reward_files))
 
 
 def fingerprint(module):
@@ -228,7 +255,7 @@ def fingerprint(module):
             "parameters": {name: param_names(getattr(module, name))
                            for name in ("train_one_step", *UPSTREAM_SEAMS[family])
                            if callable(getattr(module, name, None))},
-            "token_hash": token_hash(fn), "token_hashes": token_hashes(fn), "reward_file": reward_file_of(fn),
+            "token_hash": token_hash(fn), "token_hashes": token_hashes(fn), "reward_files": reward_files_of(fn),
             "known_release": release.commits if release is not None else None}
 
 
@@ -239,12 +266,12 @@ def describe_fingerprint(found):
     lines = [f"file: {found['file']}", f"family: {found['family']}",
              f"train_one_step token hash: {found['token_hash']}{native}",
              f"known release: {found['known_release'] or 'none (see ' + DOCS_SECTION + ')'}",
-             f"reward file: {found['reward_file']}", "parameters:"]
+             f"reward files: {', '.join(found['reward_files']) or 'none'}", "parameters:"]
     lines += [f"  {name}{params}" for name, params in found["parameters"].items()]
     lines += ["to record it, add to jagg_patch.seams.UPSTREAM_RELEASES:",
               f"  UpstreamRelease({found['token_hash']!r}, {found['family']!r}, "
               f"\"{os.path.basename(found['file'])} <commit>\", {found['parameters']['train_one_step']}, "
-              f"{found['reward_file']!r}),"]
+              f"{found['reward_files']!r}),"]
     return "\n".join(lines)
 
 
@@ -255,11 +282,11 @@ def rollout_changed(family, count):
 
 
 def _labels(fn):
-    """(the per-sample reward print's label, the gathered rewards' label) as upstream's own source has
-    them: "hps reward" before bbf5278, "reward" since; the gathered print's own constant."""
+    """(the per-sample reward print's label, the gathered rewards' labels in order) as upstream's own
+    source has them: "hps reward" before bbf5278, "reward" since; the gathered prints' own constants."""
     literals = _literals(fn)
     reward = "hps reward" if "hps reward" in literals else "reward"
-    gathered = next((s for s in literals if s.startswith("gathered")), "gathered_reward")
+    gathered = tuple(dict.fromkeys(s for s in literals if s.startswith("gathered"))) or ("gathered_reward",)
     return reward, gathered
 
 
@@ -285,6 +312,6 @@ def check_upstream(module, allow_changes=False, releases=None):
             f"upstream's train_one_step in {_file(module)} is no release jagg_patch.upstream knows (token hash "
             f"{' / '.join(token_hashes(fn))}; the nearest known is {family} {near}): re-read {DOCS_SECTION}, "
             "and compare the rules it lists with this train_one_step"), stacklevel=2)
-    reward_label, gathered_label = _labels(fn)
-    return Trainer(family, _file(module), release, reward_file_of(fn) or "./reward.txt", reward_label,
-                   gathered_label)
+    reward_label, gathered_labels = _labels(fn)
+    return Trainer(family, _file(module), release, reward_files_of(fn) or ("./reward.txt",), reward_label,
+                   gathered_labels)

@@ -10,6 +10,7 @@ transformer behind a recording stand-in for a forward (predict), and with a stan
 given output for the upstream gradient s_j (step_loss), so s_j flows through upstream's flux_step.
 """
 import contextlib
+import dataclasses
 import inspect
 import math
 import time
@@ -18,14 +19,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, ppo_clip_loss, wants_rollout_outputs
+from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, wants_rollout_outputs
 from dancegrpo.algo.objective import measured_apart
 from dancegrpo.algo.ratio_stats import RatioMeter
-from dancegrpo.utils.metrics import PassCounter, first_tensor, phase_times, reward_summary, update_counts
+from dancegrpo.utils.metrics import PassCounter, first_tensor, phase_times, update_counts
 
 from ..seams import UPSTREAM_ROLLOUT_VALUES
 from .families import FAMILIES, repeat_captions, repeat_rows
-from .fingerprint import UpstreamChanged, rollout_changed
+from ..settings import resolve_backward
+from .fingerprint import DOCS_PAGE, UpstreamChanged, rollout_changed
 from .rollout_record import RolloutRecorder, per_sample
 
 
@@ -67,15 +69,31 @@ class Trajectories:
     """One step's rollout as the update reads it; rows are samples, in upstream's order."""
     args: object
     prompts: dict            # per-sample prompt tensors (group-repeated), by upstream's names
-    extra: tuple             # the rollout's values after sigma_schedule (Flux: all_image_ids, Qwen-Image:
-                             # all_txt_seq_lens, Qwen-Image-Edit: that and all_image_latents, Wan: none)
-    latents: torch.Tensor    # all_latents [B, S+1, ...]: packed tokens [L, C], or Wan's video latents
+    fixed: dict              # values every sample shares (SkyReels' empty prompt), by upstream's names
+    extra: tuple             # the rollout's values besides rewards, latents, log-probs and sigmas (Flux:
+                             # all_image_ids, Qwen-Image: all_txt_seq_lens, Qwen-Image-Edit: that and
+                             # all_image_latents, SkyReels: first_frame_latents, Wan / HunyuanVideo: none)
+    latents: torch.Tensor    # all_latents [B, S+1, ...]: packed tokens [L, C], or video latents
     log_probs: torch.Tensor  # all_log_probs [B, S]
     sigma_schedule: torch.Tensor
-    timesteps: torch.Tensor  # [S] int(sigma * 1000), long, as upstream feeds timesteps / 1000
-    advantages: torch.Tensor
-    normaliser: int          # GA * train_timesteps
+    timesteps: torch.Tensor  # [S] int(sigma * 1000), long
+    rewards: dict            # {reward name: [B]} float32, the rank's own
+    advantages: dict = None  # {reward name: [B]}
+    normaliser: int = 0      # GA * train_timesteps
     outputs: torch.Tensor = None   # [B, S, rows, ...] the rollout's raw model outputs, when recorded
+
+    def take(self, rows):
+        """These samples' trajectories (rows: indices, repeats allowed), in that order: what a family
+        that selects samples (HunyuanVideo's best-of-n) trains. The values every sample shares stay."""
+        if self.extra:
+            raise ValueError("jagg_patch.upstream: a selection of samples over per-sample rollout values is not "
+                             "written for this family")
+        pick = (lambda v: v[rows] if torch.is_tensor(v) else [v[int(r)] for r in rows])
+        return dataclasses.replace(
+            self, prompts={k: pick(v) for k, v in self.prompts.items()}, latents=self.latents[rows],
+            log_probs=self.log_probs[rows], rewards={k: v[rows] for k, v in self.rewards.items()},
+            advantages={k: v[rows] for k, v in (self.advantages or {}).items()},
+            outputs=None if self.outputs is None else self.outputs[rows.to(self.outputs.device)])
 
 
 def _rank():
@@ -91,26 +109,19 @@ def _mean_over_ranks(value, device):
     return t.item() / dist.get_world_size()
 
 
-def upstream_advantages(rewards, gathered, args):
-    """Per group of num_generations: (r - mean) / (unbiased std + 1e-8); without groups, by the
-    statistics of every rank's rewards."""
-    if not args.use_group:
-        return (rewards - gathered.mean()) / (gathered.std() + 1e-8)
-    advantages = torch.zeros_like(rewards)
-    g = args.num_generations
-    for start in range(0, len(rewards) // g * g, g):
-        group = rewards[start:start + g]
-        advantages[start:start + g] = (group - group.mean()) / (group.std() + 1e-8)
-    return advantages
-
-
 def report_rewards(gathered, trainer):
-    """Rank 0 prints every rank's rewards and appends their mean to the release's reward file
-    (./reward.txt; ./hps_reward.txt before bbf5278), as upstream."""
-    if _rank() == 0:
-        print(trainer.gathered_label, gathered, flush=True)
-        with open(trainer.reward_file, "a") as f:
-            f.write(f"{gathered.mean().item():.4f}\n")
+    """Rank 0 prints every rank's rewards and appends their mean to the release's reward files, in
+    the family's reward order (./reward.txt; ./hps_reward.txt before bbf5278; HunyuanVideo's
+    ./vq_reward.txt, ./mq_reward.txt), as upstream."""
+    if _rank() != 0:
+        return
+    if len(gathered) != len(trainer.reward_files):
+        raise UpstreamChanged(f"upstream's train_one_step names the reward files {list(trainer.reward_files)} for the "
+                              f"rewards {list(gathered)}; see {DOCS_PAGE}")
+    for rewards, label, path in zip(gathered.values(), trainer.gathered_labels, trainer.reward_files):
+        print(label, rewards, flush=True)
+        with open(path, "a") as f:
+            f.write(f"{rewards.mean().item():.4f}\n")
 
 
 def optimizer_step(family, transformer, optimizer, lr_scheduler, max_grad_norm):
@@ -134,7 +145,7 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, r
                   "latents": torch.cat([traj.latents[i, k] for k in ks]),
                   "pre_latents": torch.cat([traj.latents[i, k + 1] for k in ks]),
                   "timesteps": torch.cat([traj.timesteps[k] for k in ks]),
-                  **family.condition(traj.prompts, traj.extra, i, len(ks), args)}
+                  **family.condition(traj, i, len(ks))}
         return call_by_name(module.grpo_one_step, values)
 
     def predict(k):
@@ -150,9 +161,9 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, r
     def step_loss(k, v):
         log_prob = grpo_one_step([k], StandIn(transformer, v))
         old = traj.log_probs[i, k]
-        ratios.record(log_prob, old, args.clip_range, torch.tensor([i]), k)
-        per_sample = ppo_clip_loss(log_prob, old, traj.advantages[i:i + 1], args.clip_range, args.adv_clip_max)
-        loss = torch.mean(per_sample) / traj.normaliser
+        ratios.record(log_prob, old, family.clip_range(args), torch.tensor([i]), k)
+        advantages = {name: a[i:i + 1] for name, a in traj.advantages.items()}
+        loss = family.sample_loss(log_prob, old, advantages, traj.normaliser, args, last)
         last["ratio"], last["loss"] = torch.exp(log_prob - old).detach(), loss.detach()
         return loss
 
@@ -171,8 +182,8 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, r
 
 def rollout(module, family_name, update, named, rows=1):
     """Upstream's group repeat and its own sample_reference_model (with the transformer's outputs
-    recorded when the update reuses them; `rows`: a call's rows per sample) -> (Trajectories without
-    advantages, rewards)."""
+    recorded when the update reuses them; `rows`: a call's rows per sample) -> Trajectories without
+    advantages."""
     family = FAMILIES[family_name]
     args = named["args"]
     prompts, caption = family.prompts(named)
@@ -182,18 +193,37 @@ def rollout(module, family_name, update, named, rows=1):
     elif family.needs_group:
         raise ValueError(needs_group(family_name))
     family.check(prompts)
+    check_before_rollout(family, args, update, num_rows(prompts))
+    fixed = family.fixed_values(named)
     recorder = RolloutRecorder(named["transformer"], rows) if wants_rollout_outputs(update) else None
     with recorder or contextlib.nullcontext():
         result = call_by_name(module.sample_reference_model,
-                              {**named, **family.rollout_values(prompts), "caption": caption})
+                              {**named, **family.rollout_values(prompts, fixed), "caption": caption})
     if len(result) != UPSTREAM_ROLLOUT_VALUES[family_name]:
         raise UpstreamChanged(rollout_changed(family_name, len(result)))
-    rewards, all_latents, all_log_probs, sigma_schedule, *extra = result
-    timestep_value = [int(sigma * 1000) for sigma in sigma_schedule][:args.sampling_steps]
-    traj = Trajectories(args, prompts, tuple(extra), all_latents, all_log_probs, sigma_schedule,
-                        torch.tensor(timestep_value, device=all_latents.device, dtype=torch.long), None, 0,
-                        recorder.outputs(all_latents) if recorder is not None else None)
-    return traj, rewards.to(torch.float32)
+    values = family.unpack(result)
+    all_latents = values.latents
+    timestep_value = [int(sigma * 1000) for sigma in values.sigma_schedule][:args.sampling_steps]
+    return Trajectories(args, prompts, fixed, values.extra, all_latents, values.log_probs, values.sigma_schedule,
+                        torch.tensor(timestep_value, device=all_latents.device, dtype=torch.long),
+                        {name: r.to(torch.float32) for name, r in values.rewards.items()},
+                        outputs=recorder.outputs(all_latents) if recorder is not None else None)
+
+
+def num_rows(prompts):
+    """The samples the rollout draws: the prompt tensors' rows (after the group repeat)."""
+    return next(len(v) for v in prompts.values())
+
+
+def check_before_rollout(family, args, update, rows):
+    """The family's refusals and the accumulation's, before any transformer call: a step that would
+    never step the optimizer is refused (upstream fails after its rollout on an unbound grad_norm)."""
+    family.check_run(args, resolve_backward(update.jagg_config.backward), rows)
+    trained = family.trained_samples(args, rows)
+    if args.gradient_accumulation_steps > trained:
+        raise ValueError(f"jagg_patch.upstream: --gradient_accumulation_steps {args.gradient_accumulation_steps} "
+                         f"exceeds the {trained} samples a rank trains per step, so the step would never step the "
+                         "optimizer (upstream then fails on an unbound grad_norm); lower it")
 
 
 def train_step(module, trainer, update, select_train_steps, named, step=1):
@@ -209,10 +239,11 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
     try:
         if family.zero_grad_first:
             optimizer.zero_grad()
-        traj, rewards = rollout(module, trainer.family, update, named, rows)
-        gathered = module.gather_tensor(rewards)
+        traj = rollout(module, trainer.family, update, named, rows)
+        gathered = {name: module.gather_tensor(r) for name, r in traj.rewards.items()}
         report_rewards(gathered, trainer)
-        traj.advantages = upstream_advantages(rewards, gathered, args)
+        traj.advantages = family.advantages(traj.rewards, gathered, args)
+        traj = family.select(traj, args)   # HunyuanVideo's best-of-n (its shuffle drawn always)
         num_samples = traj.latents.shape[0]
         # Upstream's draw (a randperm per sample on the global generator), or the window grouping's.
         selection = select_train_steps(num_samples, traj.log_probs.shape[1] - 1, args.timestep_fraction, None)
@@ -233,8 +264,7 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
                                            named["max_grad_norm"])
                 optimizer_steps += 1
             if _rank() % 8 == 0:
-                print(trainer.reward_label, rewards[i].item(), "ratio", last.get("ratio"), "advantage",
-                      traj.advantages[i].item(), "final loss", last["loss"].item(), flush=True)
+                family.print_sample(trainer, traj, i, last)
             if dist.is_initialized():
                 dist.barrier()
         if grad_norm is None:
@@ -246,7 +276,7 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
     # The trainer's record names (dancegrpo.utils.metrics), this rank's counts.
     stats_dict = {**update_counts(counter, stats, num_samples), "backward_calls": stats.backward_calls,
                   "optimizer_steps": optimizer_steps, "loss": total_loss, "grad_norm": grad_norm.item(),
-                  **reward_summary(gathered), **phase_times(t_start, t_update, t_end),
+                  **family.reward_record(gathered, args), **phase_times(t_start, t_update, t_end),
                   **ratios.summary(device), **stats.metrics}
     return (total_loss, grad_norm.item()), stats_dict
 

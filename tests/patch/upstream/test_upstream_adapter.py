@@ -32,7 +32,7 @@ from jagg_patch.upstream import (UpstreamChanged, UpstreamSourceChanged, apply, 
 from jagg_patch.upstream.fingerprint import family_of
 from jagg_patch.seams import UpstreamRelease
 from helpers import REPO_ROOT, dist_check, dist_id, read_jsonl
-from upstream_harness import (B, FAMILY, FILES, GA, STANDIN, Standin, copy_checkout, forget_fastvideo,  # noqa: F401
+from upstream_harness import (B, FAMILY, FILES, GA, STANDIN, VIDEO, Standin, copy_checkout, forget_fastvideo,  # noqa: F401
                               grad_of, in_tmp, one_rank_group, recorded_rollout, rel, standin_file)
 
 ROOT = REPO_ROOT
@@ -142,7 +142,7 @@ def test_launcher_stops_on_a_changed_upstream_before_loading_models(tmp_path):
 
 # ---------------------------------------------------------------- exact mode == upstream's own step
 
-@pytest.mark.parametrize("key", list(FILES))
+@pytest.mark.parametrize("key", [k for k in FILES if k not in VIDEO])   # the video trainers: test_upstream_video
 def test_exact_mode_reproduces_upstreams_own_step(key, cache_dir, tmp_path):
     standin = Standin(key, cache_dir, tmp_path)
     (loss, norm), grads, rng, weights = standin.step()
@@ -491,7 +491,7 @@ def test_fingerprint_command_prints_what_to_record(capsys):
     printed = capsys.readouterr().out
     module = load_trainer(standin_file("flux_lora"))
     assert "family: flux\n" in printed and f"train_one_step token hash: {token_hash(module.train_one_step)}" in printed
-    assert "known release: none" in printed and "'pre_latents'" in printed and "reward file: ./reward.txt" in printed
+    assert "known release: none" in printed and "'pre_latents'" in printed and "reward files: ./reward.txt\n" in printed
     record = printed.strip().splitlines()[-1]   # the line to put in jagg_patch.seams.UPSTREAM_RELEASES
     assert record.startswith(f"  UpstreamRelease('{token_hash(module.train_one_step)}', 'flux', ")
 
@@ -528,18 +528,22 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     (["{tmp}/fastvideo/train_grpo_sd.py"], "train_grpo_sd.py is upstream's Stable Diffusion DDIM trainer, whose "
                                            "loop is inline in main() (no train_one_step / grpo_one_step / flux_step "
                                            "seam): jagg_patch.upstream does not run it"),
-    (["{tmp}/fastvideo/train_grpo_hunyuan.py"], "train_grpo_hunyuan.py is upstream's HunyuanVideo"),
-    (["{tmp}/linked.py"], "train_grpo_skyreels_i2v.py is upstream's SkyReels"),
+    (["{tmp}/fastvideo/train_grpo_hunyuan.py"], "train_grpo_hunyuan.py is the HunyuanVideo trainer of 93ec253 "
+                                                "(2025-05-28, the open-sourcing release), a different, older trainer"),
+    (["{tmp}/linked.py"], "train_grpo_hunyuan.py is the HunyuanVideo trainer of 93ec253"),
     (["{tmp}/renamed_sd.py"], "renamed_sd.py has no function train_one_step")],
-    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "sd", "hunyuan",
-         "link-to-skyreels", "sd-by-its-syntax-tree"])
+    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "sd", "hunyuan-93ec253",
+         "link-to-hunyuan-93ec253", "sd-by-its-syntax-tree"])
 def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
     from jagg_patch.upstream.__main__ import main
     (tmp_path / "fastvideo").mkdir()
-    for name, module in [("sd", "absl"), ("hunyuan", "wandb"), ("skyreels_i2v", "wandb")]:
-        # refused by name before the import, which would stop on a module upstream's environment has
-        (tmp_path / "fastvideo" / f"train_grpo_{name}.py").write_text(f"import {module}_not_installed\n")
-    os.symlink(tmp_path / "fastvideo" / "train_grpo_skyreels_i2v.py", tmp_path / "linked.py")
+    # refused before the import, which would stop on a module upstream's environment has: SD by its name, the
+    # 93ec253 HunyuanVideo trainer by its name and its 26-parameter train_one_step
+    (tmp_path / "fastvideo" / "train_grpo_sd.py").write_text("import absl_not_installed\n")
+    params = ", ".join(f"p{i}" for i in range(26))
+    (tmp_path / "fastvideo" / "train_grpo_hunyuan.py").write_text(
+        f"import wandb_not_installed\n\n\ndef train_one_step({params}):\n    pass\n")
+    os.symlink(tmp_path / "fastvideo" / "train_grpo_hunyuan.py", tmp_path / "linked.py")
     # SD's shape under another name: its loop inline in main(), started by absl; refused from its syntax tree
     (tmp_path / "renamed_sd.py").write_text("from absl import app\n\n\ndef main(_):\n    pass\n\n\n"
                                            "if __name__ == '__main__':\n    app.run(main)\n")

@@ -46,10 +46,15 @@ def test_the_stand_ins_group_into_releases_as_the_recorded_hashes_do(known):
 
 
 def test_the_recorded_releases_are_the_references_table():
-    assert {(r.token_hash, r.family, r.reward_file) for r in UPSTREAM_RELEASES} == {
-        ("ac4b353cdcc7f665", "flux", "./reward.txt"), ("289a6c265fedb7c7", "flux", "./reward.txt"),
-        ("c7a2fcac1dc57e74", "flux", "./hps_reward.txt"), ("465f923956336644", "qwenimage", "./reward.txt"),
-        ("ff2ee0b57cf90003", "qwenimage_edit", "./reward.txt"), ("127e437113921902", "wan", "./reward.txt")}
+    one = ("./reward.txt",)
+    assert {(r.token_hash, r.family, r.reward_files) for r in UPSTREAM_RELEASES} == {
+        ("ac4b353cdcc7f665", "flux", one), ("289a6c265fedb7c7", "flux", one),
+        ("c7a2fcac1dc57e74", "flux", ("./hps_reward.txt",)), ("465f923956336644", "qwenimage", one),
+        ("ff2ee0b57cf90003", "qwenimage_edit", one), ("127e437113921902", "wan", one),
+        ("fae5119519022108", "hunyuan", ("./vq_reward.txt", "./mq_reward.txt")),
+        ("f6253f76230e7ee4", "skyreels_i2v", one)}
+    assert len(by_hash := {r.token_hash: r for r in UPSTREAM_RELEASES}) == len(UPSTREAM_RELEASES)
+    assert len(by_hash["fae5119519022108"].parameters) == 10 and len(by_hash["f6253f76230e7ee4"].parameters) == 13
     by_hash = {r.token_hash: r for r in UPSTREAM_RELEASES}
     assert "ema_handler" in by_hash["ac4b353cdcc7f665"].parameters
     assert "ema_handler" not in by_hash["289a6c265fedb7c7"].parameters + by_hash["c7a2fcac1dc57e74"].parameters
@@ -68,12 +73,13 @@ def test_each_release_is_known_and_runs_exactly_as_its_own_step(name, known, cac
     standin = Standin(key, cache_dir, tmp_path, path=write_release(tmp_path / "checkout", name))
     (loss, norm), grads, rng, weights = standin.step()
     upstream_printed = capsys.readouterr().out
-    reward_file = "./hps_reward.txt" if name == "flux@93ec253" else "./reward.txt"
+    reward_files = {"flux@93ec253": ("./hps_reward.txt",)}.get(
+        name, ("./vq_reward.txt", "./mq_reward.txt") if key == "hunyuan" else ("./reward.txt",))
     with warnings.catch_warnings():
         warnings.simplefilter("error")   # a known release: no warning
         assert apply(standin.module, mode="exact", releases=known[1]) == FAMILY[key]
     trainer = standin.module.train_one_step.jagg_trainer
-    assert trainer.release.token_hash == known[0][name] and trainer.reward_file == reward_file
+    assert trainer.release.token_hash == known[0][name] and trainer.reward_files == reward_files
     if key == "flux":   # a full-weight Flux file is never called the LoRA trainer, bbf5278's neither
         assert "lora" not in trainer.describe() and trainer.release_text().startswith("train_grpo_flux.py ")
     try:
@@ -86,10 +92,14 @@ def test_each_release_is_known_and_runs_exactly_as_its_own_step(name, known, cac
     assert len(grads) == len(grads2) == 2 and all(rel(g2, g) < 1e-12 for g, g2 in zip(grads, grads2))
     assert torch.equal(rng, rng2) and abs(loss2 - loss) < 1e-14 and abs(norm2 - norm) <= 1e-12 * norm
     assert rel(weights2, weights) < 1e-12
-    # the release's own reward file: one line from upstream's step, one from the restated one
-    other = "./reward.txt" if reward_file != "./reward.txt" else "./hps_reward.txt"
-    assert len(open(reward_file).read().splitlines()) == 2 and not os.path.exists(other)
-    label = "hps reward" if name == "flux@93ec253" else "reward"
+    # the release's own reward files: one line from upstream's step, one from the restated one, the same
+    for path in reward_files:
+        first, second = open(path).read().splitlines()
+        assert first == second
+    others = {"./reward.txt", "./hps_reward.txt", "./vq_reward.txt", "./mq_reward.txt"} - set(reward_files)
+    assert not any(os.path.exists(other) for other in others)
+    label = {"flux@93ec253": "hps reward", "hunyuan@9ac72b4": "vq/mq reward", "hunyuan@be8cf11": "vq/mq reward"}.get(
+        name, "reward")
     assert f"\n{label} " in "\n" + upstream_printed and f"\n{label} " in "\n" + ours_printed
     assert stats["transformer_backwards"] == B * int(7 * 0.6) and stats["transformer_forwards_nograd"] == B * 8
 
@@ -143,7 +153,7 @@ def test_the_token_hash_is_the_same_on_every_python(tmp_path):
     extra.write_text('def train_one_step(x, w, p):\n    # a comment\n    y = {"a": f\'{x:{w}.{p}f}\'}  # trailing\n'
                      '    print(f"{x.mean().item():.4f}\\n", f\'a{{b}}c{x!r:>{w}}\', rf"""multi\nline {x} end""",\n'
                      '          f"{x=}", f"{\'nested\' + f\'{x}\'}", "plain" f"{x}")\n    return f"""{x}\n{{}}"""\n')
-    files = [standin_file(k) for k in ("flux", "qwenimage_edit", "wan")] + [str(extra)]
+    files = [standin_file(k) for k in ("flux", "qwenimage_edit", "wan", "hunyuan", "skyreels")] + [str(extra)]
     here = {f: tokenhash.hash_tokens(tokenhash.source_tokens(
         "".join(open(f).read().splitlines(keepends=True)[n.lineno - 1:n.end_lineno])))
         for f in files for n in ast.parse(open(f).read()).body if getattr(n, "name", None) == "train_one_step"}

@@ -180,3 +180,115 @@ def add_lora(transformer, rank, seed=0):
 def finish_run():
     dist.barrier()
     dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- the video trainers (HunyuanVideo, SkyReels)
+
+VIDEO_TEXT_DIM, VIDEO_TEXT_TOKENS = 24, 6   # encoder_hidden_states [1 + tokens, dim]: row 0 the pooled text
+
+
+def video_parser(kind):
+    """The flags of upstream's HunyuanVideo ("hunyuan") or SkyReels ("skyreels") parser that their
+    train_one_step and rollout read, with upstream's defaults (no --clip_range / --adv_clip_max: their
+    loops hold those constants), plus --cache_dir / --output_dir as the other stand-ins have."""
+    import argparse
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cache_dir", default=None)
+    parser.add_argument("--output_dir", required=True)
+    for name, kind_, default in (("h", int, 32), ("w", int, 32), ("t", int, 5), ("sampling_steps", int, 8),
+                                 ("eta", float, 0.3), ("fps", int, 8), ("num_generations", int, 16),
+                                 ("timestep_fraction", float, 1.0), ("shift", float, 1.0),
+                                 ("train_batch_size", int, 1), ("gradient_accumulation_steps", int, 1),
+                                 ("learning_rate", float, 1e-5), ("max_grad_norm", float, 2.0),
+                                 ("max_train_steps", int, 1), ("seed", int, 42)):
+        parser.add_argument(f"--{name}", type=kind_, default=default)
+    parser.add_argument("--use_group", action="store_true")
+    parser.add_argument("--use_videoalign", action="store_true")
+    if kind == "hunyuan":
+        parser.add_argument("--bestofn", type=int, default=8)
+        parser.add_argument("--vq_coef", type=float, default=1.0)
+        parser.add_argument("--mq_coef", type=float, default=0.0)
+        parser.add_argument("--use_same_noise", action="store_true")
+    else:
+        parser.add_argument("--cfg_infer", type=float, default=1.0)
+        parser.add_argument("--init_same_noise", action="store_true")
+    return parser
+
+
+def load_video_transformer(kind, dtype=torch.float32, seed=0):
+    """A tiny stand-in of fastvideo's HunyuanVideoTransformer3DModel (SkyReels: 32 input channels, the
+    noisy latents then the first frame's), with FSDP's clip_grad_norm_ method."""
+    from fastvideo.models.hunyuan_hf.modeling_hunyuan import HunyuanVideoTransformer3DModel
+    model = HunyuanVideoTransformer3DModel(in_channels=16 if kind == "hunyuan" else 32, text_dim=VIDEO_TEXT_DIM,
+                                           seed=seed)
+    return ClipGradModule(model.to(dtype))
+
+
+def video_prompts(batch_size, dtype=torch.float32, seed=11):
+    """Endless (encoder_hidden_states [P, 1 + L, D], encoder_attention_mask [P, 1 + L], captions) batches of
+    fixed embeddings, each prompt with its own count of masked-out tokens."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randn(4, 1 + VIDEO_TEXT_TOKENS, VIDEO_TEXT_DIM, generator=g, dtype=torch.float64).to(dtype)
+    masks = torch.ones(4, 1 + VIDEO_TEXT_TOKENS, dtype=torch.long)
+    for row in range(4):
+        masks[row, VIDEO_TEXT_TOKENS - row:] = 0
+    start = 0
+    while True:
+        rows = [(start + i) % len(prompts) for i in range(batch_size)]
+        start += batch_size
+        yield prompts[rows], masks[rows], [f"a video of prompt {r}" for r in rows]
+
+
+def empty_prompt(dtype=torch.float32, seed=13):
+    """The empty prompt as SkyReels' main loads it: [1 + L, D] and [1 + L], no batch dim."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.zeros(1 + VIDEO_TEXT_TOKENS, dtype=torch.long)
+    mask[:2] = 1
+    return torch.randn(1 + VIDEO_TEXT_TOKENS, VIDEO_TEXT_DIM, generator=g, dtype=torch.float64).to(dtype), mask
+
+
+class VideoAlign:
+    """A stand-in of the VideoAlign inferencer: reward([video], [prompt], use_norm=True) -> [{"VQ", "MQ",
+    ...}] of the decoded video (here the final x0 itself: the stand-ins write no mp4)."""
+
+    def reward(self, videos, prompts, use_norm=True):
+        x = videos[0].double()
+        return [{"VQ": -(x - 0.25).pow(2).mean().item(), "MQ": (x.mean() - x.std()).item(), "Overall": 0.0}]
+
+
+class FirstFramePipe:
+    """A stand-in of SkyReels' FluxPipeline: one deterministic image in [-1, 1] per prompt."""
+
+    def __call__(self, prompt, height, width, guidance_scale, num_inference_steps, max_sequence_length):
+        g = torch.Generator().manual_seed(sum(map(ord, prompt)))
+        return torch.rand(1, 3, height, width, generator=g, dtype=torch.float64) * 2 - 1
+
+    def to(self, device):
+        return self
+
+
+class FirstFrameVAE:
+    """A stand-in of the video VAE's encode: 8x8 average pooling, a fixed channel map to 16, plus a
+    sample of the latent distribution drawn from the global generator."""
+
+    def __init__(self, seed=17):
+        g = torch.Generator().manual_seed(seed)
+        self.weight = torch.randn(16, 3, generator=g, dtype=torch.float64)
+
+    def encode(self, image):
+        from types import SimpleNamespace
+        pooled = torch.nn.functional.avg_pool3d(image, (1, 8, 8))   # [1, 3, 1, h/8, w/8]
+        mean = torch.einsum("oc,bcthw->bothw", self.weight.to(pooled.dtype), pooled)
+        sample = lambda: mean + 0.1 * torch.randn_like(mean)   # noqa: E731
+        return SimpleNamespace(latent_dist=SimpleNamespace(sample=sample))
+
+
+def video_run_objects(kind, args, dtype):
+    """(device, transformer, optimizer, lr_scheduler, prompt batches) as upstream's video mains build them."""
+    torch.manual_seed(args.seed)
+    init_single_process_group()
+    transformer = load_video_transformer(kind, dtype)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=args.learning_rate)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    os.makedirs(args.output_dir, exist_ok=True)
+    return torch.device("cpu"), transformer, optimizer, lr_scheduler, video_prompts(args.train_batch_size, dtype)
