@@ -4,6 +4,9 @@ transformer under FSDP1 (gloo, CPU), as upstream wraps it. Returns:
 - rel_jagg: JAGG (backward auto, i.e. batched on 2 ranks, with rollout reuse) under FSDP against the
   mean over ranks of the JAGG gradients of the same step on an unwrapped copy of the weights;
 - stats: rank 0's hook counts of the FSDP JAGG step;
+- hunyuan: the HunyuanVideo stand-in under FSDP1, best of 2 of 4: exact mode == its own step with
+  FSDP's own clip biting (the full gradient's norm on every rank), and JAGG (auto: batched) == the mean
+  over ranks of float64 single-process JAGG gradients;
 - wan: the Wan stand-in under FSDP1 with a clip that bites: exact mode == its own step (each rank
   clips by its own shard's norm, upstream's defect, reproduced), that per-shard clip != the full
   norm's, and the one line saying so printed once in two steps.
@@ -73,7 +76,7 @@ def check(cache_dir, workdir, flags):
     from helpers import relative_error as rel
     return {"world_size": world, "rel_exact": rel(exact, upstream), "rel_jagg": rel(jagg, reference),
             "same_names": set(jagg) == set(reference), "ref_norm": sum(float(g.norm()) for g in reference.values()),
-            "stats": stats, "wan": wan_check(cache_dir, workdir, rel)}
+            "stats": stats, "wan": wan_check(cache_dir, workdir, rel), "hunyuan": hunyuan_check(workdir, rel)}
 
 
 def wan_check(cache_dir, workdir, rel):
@@ -113,3 +116,48 @@ def wan_check(cache_dir, workdir, rel):
     return {"rel_exact": rel(exact, upstream), "norm_equal": exact_norm == upstream_norm,
             "note_lines": printed.getvalue().count("each rank clips by the norm of its own shard"),
             "norm_differs_over_ranks": abs(norms.item() / dist.get_world_size() - upstream_norm) > 1e-9}
+
+
+def hunyuan_check(workdir, rel):
+    from dancegrpo.utils.fsdp_util import full_gradients, wrap_fsdp
+    from jagg_patch.upstream import apply, load_trainer, revert
+    module = load_trainer(os.path.join(STANDIN, "fastvideo", "train_grpo_hunyuan.py"))
+    from fastvideo.utils.standin_setup import ClipGradModule, VideoAlign, load_video_transformer, video_parser
+    from fastvideo.utils.standin_setup import video_prompts
+    rank, world = dist.get_rank(), dist.get_world_size()
+    args = video_parser("hunyuan").parse_args(
+        ["--output_dir", os.path.join(workdir, f"hunyuan{rank}"), "--use_group", "--use_videoalign",
+         "--num_generations", "4", "--bestofn", "2", "--gradient_accumulation_steps", "2", "--sampling_steps", "6",
+         "--timestep_fraction", "1"])
+    prompts = video_prompts(1)
+    batch = [next(prompts) for _ in range(rank + 1)][-1]   # each rank its own prompt
+    plain = load_video_transformer("hunyuan", torch.float32).module
+    fsdp = wrap_fsdp(copy.deepcopy(plain), [torch.nn.Sequential], torch.device("cpu"))
+
+    def step(model, max_grad_norm):
+        torch.manual_seed(17 + rank)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+        grads = []
+        optimizer.register_step_pre_hook(lambda *_: grads.append(full_gradients(model)))
+        _, grad_norm = module.train_one_step(args, torch.device("cpu"), model, None, VideoAlign(), optimizer,
+                                             scheduler, iter([batch]), max_grad_norm, 1)
+        (grad,) = grads
+        return grad, grad_norm
+
+    upstream, upstream_norm = step(fsdp, 1e-4)   # the clip bites
+    apply(module, mode="exact")
+    exact, exact_norm = step(fsdp, 1e-4)
+    apply(module, window=4, jagg_frac=1.0, backward="auto", reuse="on_policy")
+    jagg, _ = step(fsdp, 1e9)
+    stats = module.train_one_step.last_stats
+    local, _ = step(ClipGradModule(copy.deepcopy(plain).double()), 1e9)
+    revert(module)
+    reference = {}
+    for name, grad in local.items():
+        dist.all_reduce(grad)
+        reference[name.removeprefix("module.")] = grad.float() / world
+    clipped = sum(float(g.norm()) ** 2 for g in upstream.values()) ** 0.5
+    return {"rel_exact": rel(exact, upstream), "norm_rel": abs(exact_norm - upstream_norm) / upstream_norm,
+            "clipped_norm": clipped, "rel_jagg": rel(jagg, reference), "same_names": set(jagg) == set(reference),
+            "backwards": stats["transformer_backwards"], "backward_calls": stats["backward_calls"]}

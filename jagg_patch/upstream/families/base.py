@@ -68,6 +68,7 @@ class UpstreamFamily:
     every sample trained, FSDP's transformer.clip_grad_norm_."""
     zero_grad_first = True
     needs_group = False
+    reward_names = ("reward",)   # the rollout's rewards, in the order train_one_step reports them
     plan_note = None   # a line the start-up plan adds for this family
     # What the plan says the kept rollout outputs cost per sample (None: not sized by the flags alone).
     output_bytes = staticmethod(upstream_output_bytes)

@@ -58,6 +58,7 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
     one ratio, best-of-n over the rank's whole batch, the reward files ./vq_reward.txt and
     ./mq_reward.txt."""
     read_flags = FastvideoVideoUpstream.read_flags + ("bestofn", "vq_coef", "mq_coef")
+    reward_names = ("vq", "mq")
 
     @staticmethod
     def unpack(result):
@@ -66,7 +67,7 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
 
     @staticmethod
     def advantages(rewards, gathered, args):
-        return {name: group_advantages(rewards[name], args.num_generations) for name in ("vq", "mq")}
+        return {name: group_advantages(rewards[name], args.num_generations) for name in HunyuanVideoUpstream.reward_names}
 
     @staticmethod
     def best_of_n(advantages, args):

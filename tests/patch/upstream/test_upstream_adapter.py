@@ -515,6 +515,11 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     wan = result["wan"]
     assert wan["rel_exact"] < 1e-6 and wan["norm_equal"] and wan["norm_differs_over_ranks"], wan
     assert wan["note_lines"] == 1, wan   # rank 0's result: the line once in two steps
+    hunyuan = result["hunyuan"]   # FSDP's own clip: the full gradient's norm, clipped to 1e-4 on every rank
+    assert hunyuan["rel_exact"] < 1e-5 and hunyuan["norm_rel"] < 1e-5 and hunyuan["clipped_norm"] < 1.01e-4, hunyuan
+    assert hunyuan["rel_jagg"] < 1e-5 and hunyuan["same_names"], hunyuan
+    # best of 2, 5 transitions each: a JAGG group of 4 (one batched backward call) and one exact transition
+    assert (hunyuan["backwards"], hunyuan["backward_calls"]) == (2 * 3, 2 * 2), hunyuan
 
 
 @pytest.mark.parametrize("argv, said", [

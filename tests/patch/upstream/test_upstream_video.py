@@ -188,3 +188,22 @@ def test_a_hunyuan_run_through_the_launcher_is_read_by_compare(tmp_path):
     from jagg_patch.tools.compare import load_metrics
     plain = load_metrics(str(tmp_path))   # a plain upstream HunyuanVideo run's folder: the two reward files
     assert [r["vq_reward_mean"] for r in plain] == vq and len(plain) == 2 and "mq_reward_mean" in plain[0]
+
+
+def test_a_hunyuan_file_without_its_second_reward_file_is_stopped_at_apply(tmp_path):
+    """The restated step writes one file per reward: a train_one_step naming only ./vq_reward.txt is a
+    change (one line), or runs writing that one under --jagg_allow_upstream_changes."""
+    from jagg_patch.upstream import UpstreamChanged, UpstreamSourceChanged, load_trainer
+    from upstream_harness import copy_checkout, standin_file
+    path = standin_file("hunyuan", copy_checkout(tmp_path / "checkout"))
+    text = open(path).read()
+    assert text.count('"./mq_reward.txt"') == 1
+    open(path, "w").write(text.replace('"./mq_reward.txt"', 'f"./mq_{0}.log"'))
+    module = load_trainer(path)
+    with pytest.raises(UpstreamChanged) as stopped:
+        apply(module)
+    assert "names the reward files ['./vq_reward.txt'], the hunyuan trainer reports 2 rewards (vq, mq)" in str(
+        stopped.value) and "\n" not in str(stopped.value)
+    with pytest.warns(UpstreamSourceChanged, match="writing the files that pair with a reward"):
+        apply(module, allow_upstream_changes=True)
+    revert(module)

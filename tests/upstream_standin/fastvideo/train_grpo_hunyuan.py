@@ -144,12 +144,13 @@ def train_one_step(args, device, transformer, vae, inferencer, optimizer, lr_sch
         "encoder_hidden_states": encoder_hidden_states,
         "encoder_attention_mask": encoder_attention_mask,
     }
+    # every rank gathers (an all_gather on rank 0 alone would wait for the others); rank 0 reports
+    gathered_vq_reward = gather_tensor(samples["vq_rewards"])
+    gathered_mq_reward = gather_tensor(samples["mq_rewards"])
     if dist.get_rank() == 0:
-        gathered_vq_reward = gather_tensor(samples["vq_rewards"])
         print("gathered_vq_reward", gathered_vq_reward)
         with open("./vq_reward.txt", "a") as f:
             f.write(f"{gathered_vq_reward.mean().item():.4f}\n")
-        gathered_mq_reward = gather_tensor(samples["mq_rewards"])
         print("gathered_mq_reward", gathered_mq_reward)
         with open("./mq_reward.txt", "a") as f:
             f.write(f"{gathered_mq_reward.mean().item():.4f}\n")
