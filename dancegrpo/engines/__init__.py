@@ -8,10 +8,11 @@ from ..utils.lazy import lazy_exports
 
 # name -> (module, class) of the engine; a class may be registered directly (a test's, a user's)
 ENGINES = {"fsdp": ("dancegrpo.engines.fsdp", "FSDPEngine"),
+           "fsdp2": ("dancegrpo.engines.fsdp2", "FSDP2Engine"),
            "deepspeed": ("dancegrpo.engines.deepspeed", "DeepSpeedEngine")}
 
 __getattr__ = lazy_exports(__name__, {"Engine": ".base", "build_optimizer": ".base", "FSDPEngine": ".fsdp",
-                                      "plain_engine": ".fsdp", "DeepSpeedEngine": ".deepspeed"})
+                                      "FSDP2Engine": ".fsdp2", "plain_engine": ".fsdp", "DeepSpeedEngine": ".deepspeed"})
 
 
 def engine_class(name):
@@ -26,7 +27,8 @@ def engine_class(name):
 def add_engine_args(parser):
     g = parser.add_argument_group("engine")
     g.add_argument("--engine", choices=tuple(ENGINES), default="fsdp",
-                   help="How ranks share the model: FSDP1 as upstream, or DeepSpeed ZeRO (--deepspeed_config).")
+                   help="How ranks share the model: FSDP1 as upstream (fsdp), torch's per-parameter FSDP2 "
+                        "(fully_shard), or DeepSpeed ZeRO (--deepspeed_config).")
     g.add_argument("--deepspeed_config", default=None,
                    help="A DeepSpeed JSON config (ZeRO stage 1-3), e.g. configs/deepspeed/zero2.json or zero3.json.")
 
@@ -40,5 +42,5 @@ def build_engine(args, family, raw, device, world_size):
     return engine_class(args.engine).build(args, family, raw, device, world_size)
 
 
-__all__ = ["ENGINES", "Engine", "FSDPEngine", "DeepSpeedEngine", "add_engine_args", "build_engine",
+__all__ = ["ENGINES", "Engine", "FSDPEngine", "FSDP2Engine", "DeepSpeedEngine", "add_engine_args", "build_engine",
            "build_optimizer", "engine_class", "plain_engine", "validate_engine_args"]

@@ -48,6 +48,7 @@ def prepare_transformer(args, family, transformer, device, world_size, weight_ty
 
 class FSDPEngine(Engine):
     name = "fsdp"
+    banner_name = "FSDP"
 
     def __init__(self, model, optimizer, lr_scheduler, max_grad_norm, sharded=False, weight_type="fp32"):
         self.model, self.ema_module = model, model
@@ -71,8 +72,12 @@ class FSDPEngine(Engine):
     def weight_type(self):
         return self._weight_type
 
+    def clip(self, model, max_norm):
+        """The total grad norm before clipping, every shard seen."""
+        return clip_grad_norm(model, max_norm)
+
     def optimizer_step(self, check_norm):
-        norm = clip_grad_norm(self.model, self.max_grad_norm)
+        norm = self.clip(self.model, self.max_grad_norm)
         check_norm(norm)   # before the step: a non-finite norm never reaches the weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -103,7 +108,7 @@ class FSDPEngine(Engine):
                                      options=StateDictOptions(full_state_dict=True, strict=False))
 
     def label(self):
-        return f" (FSDP {self._weight_type})" if self.sharded else ""
+        return f" ({self.banner_name} {self._weight_type})" if self.sharded else ""
 
     def state_setup(self, adapter):
         return adapter.memory_setup

@@ -99,10 +99,15 @@ def clean_param_name(name):
 
 
 def full_gradients(model):
-    """{name: unsharded gradient} of the trainable parameters of a plain or FSDP1 model (collective
-    under FSDP)."""
+    """{name: unsharded gradient} of the trainable parameters of a plain, FSDP1 or FSDP2 model
+    (collective under FSDP)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     ctx = FSDP.summon_full_params(model, with_grads=True) if isinstance(model, FSDP) else contextlib.nullcontext()
     with ctx:
-        return {clean_param_name(n): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        return {clean_param_name(n): _unsharded(p.grad if p.grad is not None else torch.zeros_like(p))
                 for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _unsharded(tensor):
+    """A copy of the whole tensor: an FSDP2 DTensor gathered (collective), any other cloned."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()

@@ -54,7 +54,7 @@ from dancegrpo.utils.launch import launch_rank
 from dancegrpo.utils.precision import describe_precision
 
 from ..cli import check_trajectory, trainer_cli
-from .comm_count import count_fsdp_collectives
+from .comm_count import count_collectives
 from .reports import print_and_write
 from ..core import resolve_backward
 from ..plan import Group
@@ -188,12 +188,13 @@ def _predicted(args, selection, num_transitions, mode, units, schedule="project"
 
 @contextlib.contextmanager
 def _collectives(ctx):
-    """FSDP1's all-gathers and reduce-scatters per unit while the block runs (None without FSDP)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    if not isinstance(ctx.transformer, FSDP):
+    """FSDP1's or FSDP2's all-gathers and reduce-scatters per unit while the block runs (None without
+    FSDP)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+    if not isinstance(ctx.transformer, (FSDP, FSDPModule)):
         yield None
         return
-    with count_fsdp_collectives(ctx.transformer) as counts:
+    with count_collectives(ctx.transformer) as counts:
         yield counts
 
 

@@ -1,4 +1,6 @@
-"""Counting FSDP1's parameter all-gathers per FSDP unit (an analysis tool beside the patch).
+"""Counting FSDP's parameter all-gathers and gradient reduce-scatters per unit (an analysis tool
+beside the patch), FSDP1's (`FullyShardedDataParallel`) and FSDP2's (`fully_shard`):
+`count_collectives(model)` picks the counter the model needs.
 
 The paper says JAGG's joint backward triggers one FSDP all-gather per module per group. FSDP1
 all-gathers a unit's flat parameter in `FlatParamHandle._all_gather_flat_param` (forward:
@@ -13,6 +15,14 @@ uses the parameter has delivered its gradient. One call through both endpoint gr
 gathers each unit once and reduce-scatters its gradient once; the price is that a unit stays
 unsharded from its first graph's backward until the second graph reaches it (the engine runs the
 later endpoint's graph first), i.e. up to every unit at once: the whole unsharded model.
+
+FSDP2 keeps one parameter group per `fully_shard` unit; `FSDPParamGroup.unshard` calls the module
+function `foreach_all_gather` and `post_backward` calls `foreach_reduce`, looked up in the group's
+module at call time, so `count_fsdp2_collectives` replaces those two names for the `with` block and
+attributes each call to its group by the group's parameters; `_to_sharded` is where a group frees
+its unsharded parameters. FSDP2 runs a unit's post-backward once per forward it ran (its hook sits on
+each forward's inputs), so where FSDP1 gathers once per backward call, FSDP2 may gather per graph:
+the counts, not this docstring, say which (docs/jagg.md has them side by side).
 """
 import contextlib
 from collections import Counter
@@ -90,4 +100,63 @@ def count_fsdp_collectives(model):
         _runtime_utils._reduce_grad = reduce_grad
 
 
-__all__ = ["count_fsdp_collectives", "fsdp_units", "CollectiveCounts"]
+def fsdp2_units(model):
+    """{id(FSDPParamGroup): unit name} of every fully_shard unit of `model` ("" is the root), and
+    {id(FSDPParam): id(its group)}."""
+    from torch.distributed.fsdp import FSDPModule
+    names, params = {}, {}
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        if group is not None:
+            names[id(group)] = name.replace("_checkpoint_wrapped_module.", "")
+            params.update({id(p): id(group) for p in group.fsdp_params})
+    return names, params
+
+
+@contextlib.contextmanager
+def count_fsdp2_collectives(model):
+    """Count FSDP2's parameter all-gathers and gradient reduce-scatters per unit of `model`."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as groups
+    names, params = fsdp2_units(model)
+    counts = CollectiveCounts(names)
+    all_gather, reduce, to_sharded = groups.foreach_all_gather, groups.foreach_reduce, groups.FSDPParamGroup._to_sharded
+
+    def counted_all_gather(fsdp_params, *args, **kwargs):
+        result = all_gather(fsdp_params, *args, **kwargs)
+        group = params.get(id(fsdp_params[0])) if fsdp_params else None
+        counts.all_gathers[group] += 1
+        output = result.all_gather_output
+        counts.gathered[group] = output.numel() * output.element_size()
+        counts.peak_gathered_bytes = max(counts.peak_gathered_bytes, sum(counts.gathered.values()))
+        counts.peak_gathered_units = max(counts.peak_gathered_units, len(counts.gathered))
+        return result
+
+    def counted_reduce(fsdp_params, *args, **kwargs):
+        counts.reduce_scatters[params.get(id(fsdp_params[0])) if fsdp_params else None] += 1
+        return reduce(fsdp_params, *args, **kwargs)
+
+    def counted_to_sharded(group, *args, **kwargs):
+        counts.gathered.pop(id(group), None)
+        return to_sharded(group, *args, **kwargs)
+
+    groups.foreach_all_gather, groups.foreach_reduce = counted_all_gather, counted_reduce
+    groups.FSDPParamGroup._to_sharded = counted_to_sharded
+    try:
+        yield counts
+    finally:
+        groups.foreach_all_gather, groups.foreach_reduce = all_gather, reduce
+        groups.FSDPParamGroup._to_sharded = to_sharded
+
+
+def count_collectives(model):
+    """The counter for `model`: FSDP2's for a fully_shard model, FSDP1's otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+    if isinstance(model, FSDPModule):
+        return count_fsdp2_collectives(model)
+    return count_fsdp_collectives(model)
+
+
+__all__ = ["count_collectives", "count_fsdp_collectives", "count_fsdp2_collectives", "fsdp_units", "fsdp2_units",
+           "CollectiveCounts"]

@@ -1,4 +1,4 @@
-"""Check "comm" of run_checks.py (two ranks): FSDP1 parameter all-gathers and gradient
+"""Check "comm" of run_checks.py (two ranks): FSDP1's (or with --engine fsdp2, FSDP2's) parameter all-gathers and gradient
 reduce-scatters per unit during one micro-batch's update, for vanilla and the JAGG backward forms
 (with and without rollout reuse); and each form's gradient against the single-process one.
 Flags: the trainer's (--jagg_window sets the group size).
@@ -13,7 +13,7 @@ from dancegrpo.utils.fsdp_util import full_gradients
 from dancegrpo.algo.grpo import policy_update as vanilla_update
 from dancegrpo.algo.rollout import predict_velocity
 from jagg_patch import make_policy_update
-from jagg_patch.tools.comm_count import count_fsdp_collectives
+from jagg_patch.tools.comm_count import count_collectives
 
 from fsdp_grad_check import check_args, same_data_on_every_rank
 
@@ -43,7 +43,7 @@ def check(cache_dir, workdir, flags):
         update = vanilla_update if spec is None else make_policy_update(
             window=args.jagg_window, jagg_frac=1.0, backward=spec[0], reuse=spec[1])
         ctx.transformer.zero_grad(set_to_none=True)
-        with count_fsdp_collectives(ctx.transformer) as counts:
+        with count_collectives(ctx.transformer) as counts:
             stats = trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, mine, steps, normaliser, update,
                                                        on_policy=True)
         grads = {k: g * world for k, g in full_gradients(ctx.transformer).items()}
@@ -51,6 +51,7 @@ def check(cache_dir, workdir, flags):
         trainer.accumulate_policy_gradient(ref_ctx, rollout, cond, adv, torch.arange(n), steps, normaliser, update,
                                            on_policy=True)
         ref = {k: p.grad for k, p in ref_model.named_parameters()}
+        result["engine"] = args.engine
         num = sum(((grads[k] - ref[k]) ** 2).sum() for k in ref).sqrt().item()
         den = sum((ref[k] ** 2).sum() for k in ref).sqrt().item()
         result["forms"][form] = dict(all_gathers=counts.per_unit(), reduce_scatters=counts.total_reduce_scatters(),

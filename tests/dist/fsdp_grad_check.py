@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
 
 from dancegrpo import train_grpo_flux, trainer
 from dancegrpo.args import parse_args
@@ -55,7 +55,7 @@ def check_args(cache_dir, workdir, flags):
 def check(cache_dir, workdir, flags):
     args = check_args(cache_dir, workdir, flags)
     ctx = trainer.setup(args, train_grpo_flux.FAMILY(args))
-    assert isinstance(ctx.transformer, FSDP), "expected FSDP under torchrun"
+    assert isinstance(ctx.transformer, (FSDP, FSDPModule)), "expected FSDP1 or FSDP2 under torchrun"
     rank, world = dist.get_rank(), dist.get_world_size()
     ref_model, _ = ctx.family.load(args, ctx.device)   # same weights, unwrapped
     if args.use_lora:
