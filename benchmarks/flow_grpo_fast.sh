@@ -24,7 +24,7 @@ for model in $MODELS; do
   mkdir -p "$DEST/$model"
   ALGO=flow_grpo_fast JAGG=1 JAGG_LAUNCHER=jagg_patch.tools.bench_update JAGG_WINDOW="$FAST_K" JAGG_FRAC=1.0 \
     OUTPUT_DIR="$DEST/$model/bench_run" bash "$(train_script "$model")" --sde_window_size "$FAST_K" "${SIZE[@]}" \
-    --bench_reps "$BENCH_REPS" --bench_modes "$BENCH_MODES" \
+    --bench_reps "$BENCH_REPS" --bench_modes "$BENCH_MODES" --bench_target_update 0.299 \
     --bench_json "$DEST/$model/bench_update.json" --bench_md "$DEST/$model/bench_update.md" \
     > "$DEST/$model/bench_update.log" 2>&1 \
     || { echo "error: $model failed; see $DEST/$model/bench_update.log" >&2; tail -20 "$DEST/$model/bench_update.log" >&2; exit 1; }

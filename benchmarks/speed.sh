@@ -44,10 +44,17 @@ for model in $MODELS; do
   cat "$DEST/$model/compare/comparison.md" >> "$REPORT"
   if [[ "$MICRO" == "1" ]]; then
     echo "== $model / update-phase micro-benchmark" >&2
+    # This script's targets for the default (rollout reuse on_policy, GA covering the rollout), and the paper's
+    # whole-step gain: the tool holds none.
+    case "$model" in
+      flux) targets=(--bench_target_step 0.25 --bench_target_update 0.40 --bench_paper_step_gain 0.183) ;;
+      qwenimage) targets=(--bench_target_step 0.172 --bench_paper_step_gain 0.172) ;;
+      *) targets=() ;;
+    esac
     JAGG=1 JAGG_LAUNCHER=jagg_patch.tools.bench_update NPROC="${BENCH_NPROC:-${NPROC:-}}" \
       OUTPUT_DIR="$DEST/$model/bench_run" bash "$(train_script "$model")" \
       --sampling_steps "$(sampling_steps "$model")" --timestep_fraction "$TIMESTEP_FRACTION" "${SIZE[@]}" \
-      --bench_reps "$BENCH_REPS" --bench_unit_reps "$BENCH_UNIT_REPS" \
+      --bench_reps "$BENCH_REPS" --bench_unit_reps "$BENCH_UNIT_REPS" "${targets[@]}" \
       --bench_json "$DEST/$model/bench_update.json" --bench_md "$DEST/$model/bench_update.md" \
       > "$DEST/$model/bench_update.log" 2>&1 \
       || { echo "error: micro-benchmark failed; see $DEST/$model/bench_update.log" >&2; tail -20 "$DEST/$model/bench_update.log" >&2; exit 1; }

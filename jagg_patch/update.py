@@ -1,10 +1,11 @@
 """The JAGG policy update: which transitions form each group (the one group enumeration of the
 update, the monitor and the tools), how groups are routed (jagg_frac, or auto by the monitor), the
 one adapter from dancegrpo's UpdateBatch to `core.jagg_group_backward`, and the authors' window
-selection of trained transitions. `make_policy_update(config)` and `make_window_selection(window)`
-are the objects `jagg_patch.patch` puts into a trainer's seams.
+selection of trained transitions. `make_policy_update(config)` (a JaggUpdate) and
+`make_window_selection(window)` are the objects `jagg_patch.patch` puts into a trainer's seams.
 """
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -14,44 +15,61 @@ from dancegrpo.utils.launch import print_on_rank0
 from .config import as_config
 from .core import jagg_group_backward, resolve_backward
 from .monitor import Monitor
-from .plan import num_trained_windows, plan_groups, plan_windows
+from .plan import Group, num_trained_windows, plan_groups, plan_windows
 from .routing import AutoRouting
+
+
+class TrainedGroup(NamedTuple):
+    """One group the samples of a micro-batch train: `rows`, the indices of the samples that train it
+    (every sample under the paper's grouping); `cols` [len(rows), w], member j of row i is transition
+    cols[i, j]; `group`, its place in the plan (plan.Group: index, members, whether it runs JAGG)."""
+    rows: torch.Tensor
+    cols: torch.Tensor
+    group: Group
 
 
 def trained_groups(steps, window, jagg_frac):
     """The paper's groups: W consecutive trained transitions, the same positions for every sample,
-    each sample with its own transitions. Yields (rows None = every sample, cols [m, w], group)."""
+    each sample with its own transitions."""
     # Vanilla trains the transitions in random order; JAGG needs denoising order.
     ks = steps.sort(dim=1).values
+    every = torch.arange(ks.shape[0], device=ks.device)
     for group in plan_groups(range(ks.shape[1]), window, jagg_frac):
-        yield None, ks[:, list(group.members)], group
+        yield TrainedGroup(every, ks[:, list(group.members)], group)
 
 
 def window_groups(steps, num_transitions, window, jagg_frac):
-    """The authors' groups: contiguous trajectory windows; per window, the rows of the samples that
-    train it (whole: its first transition stands for it; -1 pads train nothing)."""
+    """The authors' groups: contiguous trajectory windows; per window, the samples that train it
+    (whole: its first transition stands for it; -1 pads train nothing)."""
     for group in plan_windows(num_transitions, window, jagg_frac):
         rows = (steps == group.members[0]).any(dim=1).nonzero().flatten()
         if rows.numel():
             cols = torch.tensor(group.members, device=steps.device).expand(rows.numel(), -1)
-            yield rows, cols, group
+            yield TrainedGroup(rows, cols, group)
 
 
 def groups_of(steps, num_transitions, window, jagg_frac, grouping="trained"):
-    """(rows, cols [m, w] transitions, Group) of every group the samples of `steps` [N, n] train:
-    rows None (every sample) or the indices of the samples that train the group."""
+    """The TrainedGroup of every group the samples of `steps` [N, n] train."""
     if grouping == "window":
         return window_groups(steps, num_transitions, window, jagg_frac)
     return trained_groups(steps, window, jagg_frac)
 
 
+class BatchGroup(NamedTuple):
+    """A group of an UpdateBatch: `sub`, the batch of the samples that train it (the batch itself when
+    all do), `cols` and `group` as in TrainedGroup."""
+    sub: object
+    cols: torch.Tensor
+    group: Group
+
+
 def batch_groups(batch, window, jagg_frac, grouping="trained"):
-    """(sub-batch, cols, Group) of every group of an UpdateBatch (the last transition is never
-    trained, so a trajectory of S steps has S-1 trainable transitions)."""
+    """The BatchGroup of every group of an UpdateBatch (the last transition is never trained, so a
+    trajectory of S steps has S-1 trainable transitions)."""
     num_transitions = batch.timesteps.numel() - 1
-    for rows, cols, group in groups_of(batch.steps, num_transitions, window, jagg_frac, grouping):
-        whole = rows is None or rows.numel() == batch.steps.shape[0]
-        yield (batch if whole else batch.subset(rows)), cols, group
+    for found in groups_of(batch.steps, num_transitions, window, jagg_frac, grouping):
+        whole = found.rows.numel() == batch.steps.shape[0]
+        yield BatchGroup(batch if whole else batch.subset(found.rows), found.cols, found.group)
 
 
 def group_backward(sub, cols, mode, alpha, backward, run_backward=None, reuse=None):
@@ -80,60 +98,86 @@ def _add_group(stats, result, group_mode, samples):
         stats.jagg_groups += samples
 
 
-def make_policy_update(config=None, **settings):
-    """The JAGG replacement for dancegrpo.algo.grpo.policy_update, configured by a JaggConfig (or
-    its settings by name). With monitor_every N > 0 the live fidelity monitor (jagg_patch.monitor)
-    measures at step 1 and every N steps (the update's `monitor`); jagg_frac "auto" routes the
-    positions whose monitored cosine reaches min_cos (jagg_patch.routing; the update's `routing`)."""
-    config = as_config(config, **settings)
-    monitor = (Monitor(config.monitor_every, config.monitor_samples, config.alpha, resolve_backward(config.backward))
-               if config.monitor_every else None)
-    routing = AutoRouting(config.min_cos) if config.auto else None
+class JaggUpdate:
+    """The JAGG replacement for dancegrpo.algo.grpo.policy_update, configured by a JaggConfig: called
+    with an UpdateBatch, it computes the micro-batch's gradient group by group. With monitor_every N > 0
+    the live fidelity monitor (jagg_patch.monitor) measures at step 1 and every N steps; jagg_frac
+    "auto" routes the positions whose monitored cosine reaches min_cos (jagg_patch.routing).
 
-    def every_group(one):
-        for sub, cols, group in batch_groups(one, config.window, 1.0, config.grouping):
-            yield group.index, sub, cols
+    jagg_config           the configuration
+    monitor, routing      the monitor and the auto routing (None when not configured)
+    uses_rollout_outputs  whether the rollout should keep its model outputs for this update
+    state_dict / load_state_dict   what the update carries across steps (the auto routing and the
+                          groups' layout it indexes), for checkpoints; None without auto routing
+    """
 
-    def routed_groups(batch):
-        if routing is None:
-            yield from batch_groups(batch, config.window, config.jagg_frac, config.grouping)
-            return
-        for sub, cols, group in batch_groups(batch, config.window, 1.0, config.grouping):
-            yield sub, cols, dataclasses.replace(group, jagg=group.jagg and routing.routes(group.index))
+    def __init__(self, config):
+        self.jagg_config = config
+        self.monitor = (Monitor(config.monitor_every, config.monitor_samples, config.alpha,
+                                resolve_backward(config.backward)) if config.monitor_every else None)
+        self.routing = AutoRouting(config.min_cos) if config.auto else None
+        self.uses_rollout_outputs = config.uses_rollout_outputs
+        self._restored = None   # a checkpoint's routing, applied at the first batch, once its layout is known
+        self._layout = {}
 
-    restored, layout = {}, {}   # a checkpoint's routing, applied at the first batch, once its layout is known
-
-    def policy_update(batch):
+    def __call__(self, batch):
+        config, monitor, routing = self.jagg_config, self.monitor, self.routing
         stats = UpdateStats()
         if routing is not None:
-            if "state" in restored:
-                _restore_routing(routing, monitor, restored.pop("state"), _layout(config, batch))
-            layout.update(_layout(config, batch))
+            if self._restored is not None:
+                _restore_routing(routing, monitor, self._restored, _layout(config, batch))
+                self._restored = None
+            self._layout = _layout(config, batch)
         if monitor is not None and monitor.due(batch):   # before the update: its gradient stays the run's own
-            measured, complete = monitor.measure(batch, every_group, group_backward)
+            measured, complete = monitor.measure(batch, self._every_group, group_backward)
             stats.metrics.update(measured)
             if complete and routing is not None and routing.update(measured):
                 print_on_rank0(f"step {batch.step}: {routing.describe()}")
         if routing is not None:
             stats.metrics["jagg_routed"] = sum(1 << p for p in routing.routed)   # bit p: position p runs JAGG
-        for sub, cols, group in routed_groups(batch):   # cols: [m, w] transitions
+        for sub, cols, group in self._routed_groups(batch):   # cols: [m, w] transitions
             group_mode = config.mode if group.jagg else "exact"
             result = group_backward(sub, cols, group_mode, config.alpha, resolve_backward(config.backward),
                                     sub.backward, rollout_reuse(sub, cols, config.reuse))
             _add_group(stats, result, group_mode, cols.shape[0])
         return stats
 
-    policy_update.jagg_config = config
-    policy_update.monitor, policy_update.routing = monitor, routing
-    policy_update.uses_rollout_outputs = config.uses_rollout_outputs
-    if routing is not None:
-        # What the update carries across steps, saved with each checkpoint (dancegrpo.algo.grpo.update_state):
-        # the routing alone; the monitor's cadence follows the step number.
-        # With the groups' layout, which the routed positions index: a resume with another window,
-        # grouping or number of trained transitions starts its routing afresh.
-        policy_update.state_dict = lambda: {"routing": routing.state_dict(), "layout": dict(layout)}
-        policy_update.load_state_dict = lambda state: restored.update(state=state)
-    return policy_update
+    def _every_group(self, one):
+        """(position, sub-batch, cols) of every group, routed or not: what the monitor measures."""
+        config = self.jagg_config
+        for sub, cols, group in batch_groups(one, config.window, 1.0, config.grouping):
+            yield group.index, sub, cols
+
+    def _routed_groups(self, batch):
+        config = self.jagg_config
+        if self.routing is None:
+            yield from batch_groups(batch, config.window, config.jagg_frac, config.grouping)
+            return
+        for sub, cols, group in batch_groups(batch, config.window, 1.0, config.grouping):
+            yield BatchGroup(sub, cols, dataclasses.replace(group, jagg=group.jagg and self.routing.routes(group.index)))
+
+    # With the groups' layout, which the routed positions index: a resume with another window, grouping
+    # or number of trained transitions starts its routing afresh. The monitor's cadence follows the
+    # step number, so the routing is all a checkpoint keeps.
+    @property
+    def state_dict(self):
+        if self.routing is None:
+            return None
+        return lambda: {"routing": self.routing.state_dict(), "layout": dict(self._layout)}
+
+    @property
+    def load_state_dict(self):
+        if self.routing is None:
+            return None
+        return self._keep_restored
+
+    def _keep_restored(self, state):
+        self._restored = state
+
+
+def make_policy_update(config=None, **settings):
+    """A JaggUpdate of a JaggConfig (or of its settings by name)."""
+    return JaggUpdate(as_config(config, **settings))
 
 
 def _layout(config, batch):

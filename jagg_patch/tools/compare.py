@@ -47,144 +47,19 @@ import json
 import math
 import os
 import statistics
-import sys
 
-from dancegrpo.utils.plots import moving_average, plot_reward_curves
+from dancegrpo.utils.plots import moving_average
 
-from dancegrpo.errors import ConfigError, exit_on_config_error
+from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
 
+from .compare_plots import fidelity_curves, write_plots
 from .reports import output_errors
+from .run_records import CompareError, load_metrics, warn
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
 FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
 MIN_TIMED_STEPS = 3
-
-
-def warn(message):
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
-class CompareError(ConfigError):
-    """Bad input; the message says what is wrong (one line, exit 2)."""
-
-
-METRICS_FILES = ("metrics.jsonl", "jagg_metrics.jsonl")   # this trainer's | jagg_patch.upstream's
-REWARD_FILES = ("reward.txt", "hps_reward.txt")          # a plain upstream run's
-VIDEO_REWARD_FILES = ("vq_reward.txt", "mq_reward.txt")   # a plain upstream HunyuanVideo run's
-
-
-def load_metrics(run_dir, warn=warn):
-    """The run's records, one per step in step order (the last record of a step wins): from a
-    metrics file, or a reward file (rewards only)."""
-    if os.path.isfile(run_dir) and os.path.basename(run_dir) in VIDEO_REWARD_FILES:
-        return load_video_reward_files(os.path.dirname(run_dir) or ".", warn)
-    if os.path.isfile(run_dir) and os.path.basename(run_dir).endswith("reward.txt"):
-        return load_reward_file(run_dir)
-    if not os.path.isdir(run_dir):
-        raise CompareError(f"run folder {run_dir!r} does not exist")
-    found = [os.path.join(run_dir, name) for name in METRICS_FILES + REWARD_FILES + VIDEO_REWARD_FILES
-             if os.path.isfile(os.path.join(run_dir, name))]
-    if not found:
-        raise CompareError(f"{run_dir!r} holds none of metrics.jsonl (this trainer's --output_dir), "
-                           "jagg_metrics.jsonl (jagg_patch.upstream's) or reward.txt (a plain upstream run's)")
-    if os.path.basename(found[0]) in VIDEO_REWARD_FILES:
-        return load_video_reward_files(run_dir, warn)
-    if found[0].endswith("reward.txt"):
-        return load_reward_file(found[0])
-    records = read_json_lines(found[0], warn)
-    if os.path.basename(found[0]) == "jagg_metrics.jsonl":
-        records = last_run(records, found[0], warn)
-    elif len({(r["step"], r.get("run_id")) for r in records}) > len({r["step"] for r in records}):
-        # A resumed run's segments (each its own run id) never share a step: the file is cut back to the
-        # checkpoint on resume. A step logged under two run ids is two runs' lines in one file.
-        warn(f"{found[0]} holds steps logged by different runs (run ids "
-             f"{list(dict.fromkeys(r.get('run_id') for r in records))}): each step is read from its last record, "
-             "which may mix the runs")
-    by_step = {record["step"]: record for record in records}
-    return [by_step[s] for s in sorted(by_step)]
-
-
-def last_run(records, path, warn=warn):
-    """The records of the last run (run_id) written to an adapter's jagg_metrics.jsonl; the file keeps
-    every run started in that --output_dir."""
-    runs = list(dict.fromkeys(r.get("run_id") for r in records))
-    if len(runs) > 1:
-        warn(f"{path} holds {len(runs)} runs; comparing the last one (run_id {runs[-1]})")
-    return [r for r in records if r.get("run_id") == runs[-1]]
-
-
-def load_reward_file(path):
-    """A plain upstream run's reward file: line k is step k's mean reward (upstream appends to it, so a
-    file of several runs reads as one long run)."""
-    rewards = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rewards.append(float(line))
-            except ValueError:
-                raise CompareError(f"{path}:{lineno}: not a reward (upstream writes one number per line)") from None
-    if not rewards:
-        raise CompareError(f"{path!r} holds no rewards (did the run finish its first step?)")
-    return [{"step": k, "reward_mean": r} for k, r in enumerate(rewards, 1)]
-
-
-def load_video_reward_files(folder, warn=warn):
-    """A plain upstream HunyuanVideo run's vq_reward.txt and mq_reward.txt (line k: step k's mean
-    VideoAlign reward): vq_reward_mean, mq_reward_mean, and as reward_mean the VQ reward, which
-    upstream's recipe trains on (--vq_coef 1 --mq_coef 0; the file does not say the run's weights)."""
-    rewards = {}
-    for name in VIDEO_REWARD_FILES:
-        path = os.path.join(folder, name)
-        if os.path.isfile(path):
-            rewards[name.split("_")[0]] = [r["reward_mean"] for r in load_reward_file(path)]
-    if len({len(r) for r in rewards.values()}) > 1:
-        warn(f"{folder}: vq_reward.txt and mq_reward.txt hold {len(rewards['vq'])} and {len(rewards['mq'])} steps; "
-             "reading the steps both hold")
-    steps = min(len(r) for r in rewards.values())
-    main = "vq" if "vq" in rewards else "mq"
-    why = "the one upstream's recipe trains on: --vq_coef 1 --mq_coef 0" if main == "vq" else "no vq_reward.txt"
-    warn(f"{folder}: a HunyuanVideo run's reward files; its reward here is the {main.upper()} reward ({why}); "
-         "both are kept as vq_reward_mean / mq_reward_mean")
-    return [{"step": k + 1, "reward_mean": rewards[main][k], **{f"{name}_reward_mean": r[k] for name, r in rewards.items()}}
-            for k in range(steps)]
-
-
-def read_json(path, rerun):
-    """The JSON at `path`; an empty, cut-off or unreadable file is one line naming how to remake it."""
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except ValueError as e:
-        raise CompareError(f"{path!r} is not valid JSON ({e.msg} at line {e.lineno}; empty or cut off?): {rerun}") from None
-    except OSError as e:
-        raise CompareError(f"cannot read {path!r}: {e.strerror}") from None
-
-
-def read_json_lines(path, warn=warn):
-    """The records of a metrics file, in file order; a torn last line is warned about and left out."""
-    records = []
-    with open(path) as f:
-        lines = f.read().split("\n")
-    torn = len(lines) - 1 if lines[-1].strip() else -1  # a last line without its newline: cut off mid-write
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            if lineno - 1 == torn:
-                warn(f"{path}:{lineno}: torn last line (the run was stopped while writing it); read as missing")
-                continue
-            raise CompareError(f"{path}:{lineno}: not a JSON line ({e.msg})") from None
-        if not isinstance(record, dict) or "step" not in record:
-            raise CompareError(f"{path}:{lineno}: a metrics record needs a 'step' field")
-        records.append(record)
-    if not records:
-        raise CompareError(f"{path!r} holds no steps (did the run finish its first step?)")
-    return records
 
 
 def _over(records, field, reduce=statistics.median):
@@ -384,71 +259,6 @@ def _csv_text(header, rows):
     writer.writerow(header)
     writer.writerows(rows)
     return buffer.getvalue()
-
-
-def fidelity_curves(records):
-    """{position: {"steps": [...], "cos": [...]}} of the monitor's jagg_cos/gP (--jagg_monitor_every)."""
-    found = {}
-    for r in records:
-        for name, value in r.items():
-            if name.startswith("jagg_cos/g") and isinstance(value, (int, float)):
-                curve = found.setdefault(int(name[len("jagg_cos/g"):]), {"steps": [], "cos": []})
-                curve["steps"].append(r["step"])
-                curve["cos"].append(value)
-    return dict(sorted(found.items()))
-
-
-def plot_fidelity(path, curves):
-    """cos(JAGG, exact) per group position over the steps, one line per (run, position)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4))
-    styles = ["-", "--", ":", "-."]
-    for i, (label, c) in enumerate((k, v) for k, v in curves.items() if "jagg_cos" in v):
-        for position, curve in c["jagg_cos"].items():
-            ax.plot(curve["steps"], curve["cos"], styles[i % len(styles)], color=f"C{position}", marker="o",
-                    markersize=3, label=f"{label} g{position}")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("cos(JAGG, exact)")
-    ax.set_title("Monitored fidelity per group position (g0: highest noise)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
-def write_plots(out_dir, rows, curves):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    labelled = {f"{label} (MA {rows[i]['ma_window']})": c for i, (label, c) in enumerate(curves.items())}
-    paths = [plot_reward_curves(os.path.join(out_dir, "reward_curves.png"), labelled)]
-
-    fig, ax = plt.subplots(figsize=(1.6 * len(rows) + 3, 4))
-    labels = [r["label"] for r in rows]
-    rollout = [0.0 if math.isnan(r["rollout_time_s"]) else r["rollout_time_s"] for r in rows]
-    update = [0.0 if math.isnan(r["update_time_s"]) else r["update_time_s"] for r in rows]
-    ax.bar(labels, rollout, label="rollout", color="C7")
-    ax.bar(labels, update, bottom=rollout, label="update", color="C0")
-    for i, r in enumerate(rows):
-        total = r["step_time_s"]
-        if not math.isnan(total):
-            note = "" if i == 0 else f"\n{100 * r['step_speedup']:+.1f}%"
-            ax.text(i, max(total, rollout[i] + update[i]), f"{total:.2f} s{note}", ha="center", va="bottom")
-    ax.set_ylabel("median seconds per training step")
-    ax.set_title("Step time: rollout + policy update")
-    ax.legend()
-    ax.margins(y=0.2)
-    fig.tight_layout()
-    paths.append(os.path.join(out_dir, "step_times.png"))
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    if any("jagg_cos" in c for c in curves.values()):
-        paths.append(plot_fidelity(os.path.join(out_dir, "jagg_cos.png"), curves))
-    return paths
 
 
 def build_parser():

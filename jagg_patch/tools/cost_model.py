@@ -54,7 +54,7 @@ def sample_groups(steps_row, num_transitions, window, jagg_frac, grouping="train
     as the patched policy_update groups them (members: positions in its sorted transitions under the
     trained grouping, transitions under the window grouping)."""
     steps = torch.as_tensor([int(k) for k in steps_row], dtype=torch.long).reshape(1, -1)
-    return [g for _, _, g in groups_of(steps, num_transitions, window, jagg_frac, grouping)]
+    return [found.group for found in groups_of(steps, num_transitions, window, jagg_frac, grouping)]
 
 
 def backward_units(b_over_f, checkpointing=0.0):

@@ -70,7 +70,7 @@ def measured_groups(steps, window, grouping="trained", num_transitions=None):
     every sample (as if every sample trained every transition)."""
     if grouping == "window":
         steps = torch.arange(num_transitions, device=steps.device).expand(steps.shape[0], -1)
-    return [(g, cols) for _, cols, g in groups_of(steps, num_transitions, window, 1.0, grouping)]
+    return [(found.group, found.cols) for found in groups_of(steps, num_transitions, window, 1.0, grouping)]
 
 
 def group_similarities(ctx, make_batch, groups, batch_size, timesteps=None):

@@ -25,7 +25,8 @@ from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
 from dancegrpo.utils.plots import plot_mean_spread
 
-from .compare import CompareError, load_metrics, read_json, summarize
+from .compare import summarize
+from .run_records import CompareError, load_metrics, read_json
 from .reports import output_errors
 
 LABEL = re.compile(r"^(?P<variant>.+)@(?P<step>\d+)$")

@@ -34,7 +34,7 @@ from dancegrpo.utils.plots import save_figure
 from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
 
-from .compare import CompareError, load_metrics, read_json
+from .run_records import CompareError, load_metrics, read_json
 from .reports import output_errors
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")

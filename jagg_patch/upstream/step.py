@@ -46,22 +46,41 @@ def call_by_name(fn, values):
     return fn(**{name: values[name] for name in params if name in values})
 
 
-class StandIn:
-    """What grpo_one_step gets as `transformer`: the real one, whose output it records (`output`
-    None), or a stand-in that returns `output` itself (the detached proxy of phase 2)."""
+class RecordingTransformer:
+    """What grpo_one_step gets as `transformer` for a forward: the real transformer, whose raw output
+    it keeps (`output`) for the update."""
 
-    def __init__(self, model, output=None):
-        self.model, self.output, self._fixed = model, output, output is not None
+    def __init__(self, model):
+        self.model, self.output = model, None
 
     def __call__(self, *args, **kwargs):
-        if self._fixed:
-            return (self.output,)
         result = self.model(*args, **kwargs)
         self.output = first_tensor(result)
         return result
 
     def __getattr__(self, name):   # train(), eval(), config, dtype ...: the real transformer's
         return getattr(self.model, name)
+
+
+class FixedOutputTransformer(RecordingTransformer):
+    """What grpo_one_step gets as `transformer` for a member's loss: it returns the given output (the
+    detached proxy whose gradient is the member's upstream gradient s_j) instead of calling the model."""
+
+    def __init__(self, model, output):
+        super().__init__(model)
+        self.output = output
+
+    def __call__(self, *args, **kwargs):
+        return (self.output,)
+
+
+@dataclass
+class LastTransition:
+    """The latest transition's ratio and loss (and a family's loss terms), which upstream's per-sample
+    print shows."""
+    ratio: torch.Tensor = None
+    loss: torch.Tensor = None
+    terms: tuple = ()
 
 
 @dataclass
@@ -132,9 +151,9 @@ def optimizer_step(family, transformer, optimizer, lr_scheduler, max_grad_norm):
 
 
 def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, ratios, step=0, counter=None):
-    """The UpdateBatch of sample i (a micro-batch of one). `last` keeps the latest ratio and loss;
-    `ratios` (a RatioMeter) the step's ratio statistics; `step` (the training step) and `counter`
-    (the step's PassCounter) serve the monitor."""
+    """The UpdateBatch of sample i (a micro-batch of one). `last` (a LastTransition) keeps the latest
+    ratio and loss; `ratios` (a RatioMeter) the step's ratio statistics; `step` (the training step)
+    and `counter` (the step's PassCounter) serve the monitor."""
     args = traj.args
 
     def grpo_one_step(ks, model):
@@ -147,22 +166,22 @@ def sample_batch(module, family, traj, i, steps, on_policy, transformer, last, r
         return call_by_name(module.grpo_one_step, values)
 
     def predict(k):
-        model = StandIn(transformer)
+        model = RecordingTransformer(transformer)
         grpo_one_step([k], model)
         return model.output
 
     def predict_batched(ks):
-        model = StandIn(transformer)
+        model = RecordingTransformer(transformer)
         grpo_one_step(list(ks), model)   # one transformer call; its log-prob (one index for all) is unused
         return per_sample(model.output, len(ks))   # a guided call's blocks: each member's rows
 
     def step_loss(k, v):
-        log_prob = grpo_one_step([k], StandIn(transformer, v))
+        log_prob = grpo_one_step([k], FixedOutputTransformer(transformer, v))
         old = traj.log_probs[i, k]
         ratios.record(log_prob, old, family.clip_range(args), torch.tensor([i]), k)
         advantages = {name: a[i:i + 1] for name, a in traj.advantages.items()}
-        loss = family.sample_loss(log_prob, old, advantages, traj.normaliser, args, last)
-        last["ratio"], last["loss"] = torch.exp(log_prob - old).detach(), loss.detach()
+        loss, terms = family.sample_loss(log_prob, old, advantages, traj.normaliser, args)
+        last.ratio, last.loss, last.terms = torch.exp(log_prob - old).detach(), loss.detach(), terms
         return loss
 
     def rollout_output(k):
@@ -200,12 +219,13 @@ def rollout(module, family_name, update, named, rows=1):
     if len(result) != UPSTREAM_ROLLOUT_VALUES[family_name]:
         raise UpstreamChanged(rollout_changed(family_name, len(result)))
     values = family.unpack(result)
-    all_latents = values.latents
     timestep_value = [int(sigma * 1000) for sigma in values.sigma_schedule][:args.sampling_steps]
-    return Trajectories(args, prompts, fixed, values.extra, all_latents, values.log_probs, values.sigma_schedule,
-                        torch.tensor(timestep_value, device=all_latents.device, dtype=torch.long),
-                        {name: r.to(torch.float32) for name, r in values.rewards.items()},
-                        outputs=recorder.outputs(all_latents) if recorder is not None else None)
+    return Trajectories(
+        args=args, prompts=prompts, fixed=fixed, extra=values.extra, latents=values.latents,
+        log_probs=values.log_probs, sigma_schedule=values.sigma_schedule,
+        timesteps=torch.tensor(timestep_value, device=values.latents.device, dtype=torch.long),
+        rewards={name: r.to(torch.float32) for name, r in values.rewards.items()},
+        outputs=recorder.outputs(values.latents) if recorder is not None else None)
 
 
 def num_rows(prompts):
@@ -224,57 +244,84 @@ def check_before_rollout(family, args, update, rows):
                          "optimizer (upstream then fails on an unbound grad_norm); lower it")
 
 
-def train_step(module, trainer, update, select_train_steps, named, step=1):
-    """One upstream training step (the run's `step`-th) of the checked trainer file (`trainer`, a
-    fingerprint.Trainer) with the policy update `update`; returns ((total_loss, grad_norm), stats)
-    with stats counted by hooks on the transformer, the gathered reward, and what the update
-    measured beside it (the monitor's metrics, the routing)."""
+@dataclass
+class Accumulated:
+    """What the accumulation loop of one step leaves: the update's counts, the loss summed as upstream
+    sums it, the last optimizer step's grad norm, the number of optimizer steps."""
+    stats: UpdateStats
+    total_loss: float
+    grad_norm: torch.Tensor
+    optimizer_steps: int
+
+
+def advantages_and_selection(module, family, trainer, traj, args):
+    """Every rank's rewards gathered and reported (rank 0's reward files), the family's advantages,
+    then its selection of the samples to train (HunyuanVideo's best-of-n, its shuffle drawn always).
+    Returns (the trajectories trained, the gathered rewards)."""
+    gathered = {name: module.gather_tensor(r) for name, r in traj.rewards.items()}
+    report_rewards(gathered, trainer)
+    traj.advantages = family.advantages(traj.rewards, gathered, args)
+    return family.select(traj, args), gathered
+
+
+def accumulate(module, trainer, update, traj, steps, named, step, counter, ratios):
+    """Upstream's accumulation loop: each sample a micro-batch whose gradient the update computes, an
+    optimizer step after every GA samples (the family's clip), the per-sample print and barrier."""
     family = FAMILIES[trainer.family]
     args, transformer, device = named["args"], named["transformer"], named["device"]
-    optimizer, ga = named["optimizer"], args.gradient_accumulation_steps
+    ga = args.gradient_accumulation_steps
+    stats, total_loss, grad_norm, optimizer_steps, last = UpdateStats(), 0.0, None, 0, LastTransition()
+    for i in range(traj.latents.shape[0]):
+        sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
+                                           transformer, last, ratios, step, counter))
+        stats += sample_stats
+        loss = _mean_over_ranks(sample_stats.loss, device)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"jagg_patch.upstream: the loss of sample {i} is {loss}; stopped before the "
+                                     "optimizer step, so the weights are not trained on it")
+        total_loss += loss
+        if (i + 1) % ga == 0:
+            grad_norm = optimizer_step(family, transformer, named["optimizer"], named["lr_scheduler"],
+                                       named["max_grad_norm"])
+            optimizer_steps += 1
+        if _rank() % 8 == 0:
+            family.print_sample(traj, i, last, trainer.reward_label)
+        if dist.is_initialized():
+            dist.barrier()
+    if grad_norm is None:
+        raise RuntimeError(f"jagg_patch.upstream: no optimizer step in this step: --gradient_accumulation_steps "
+                           f"{ga} exceeds the {traj.latents.shape[0]} samples a rank trains; lower it")
+    return Accumulated(stats, total_loss, grad_norm, optimizer_steps)
+
+
+def train_step(module, trainer, update, select_train_steps, named, step=1):
+    """One upstream training step (the run's `step`-th) of the checked trainer file (`trainer`, a
+    fingerprint.Trainer) with the policy update `update`, in upstream's order: rollout, advantages,
+    the accumulation loop. Returns ((total_loss, grad_norm), stats) with stats counted by hooks on the
+    transformer, the gathered rewards, and what the update measured beside it (the monitor's metrics,
+    the routing)."""
+    family = FAMILIES[trainer.family]
+    args, transformer, device = named["args"], named["transformer"], named["device"]
     rows = family.call_rows(args)
     counter, ratios, t_start = PassCounter(transformer, rows), RatioMeter(), time.time()
     try:
         if family.zero_grad_first:
-            optimizer.zero_grad()
+            named["optimizer"].zero_grad()
         traj = rollout(module, trainer.family, update, named, rows)
-        gathered = {name: module.gather_tensor(r) for name, r in traj.rewards.items()}
-        report_rewards(gathered, trainer)
-        traj.advantages = family.advantages(traj.rewards, gathered, args)
-        traj = family.select(traj, args)   # HunyuanVideo's best-of-n (its shuffle drawn always)
-        num_samples = traj.latents.shape[0]
+        traj, gathered = advantages_and_selection(module, family, trainer, traj, args)
         # Upstream's draw (a randperm per sample on the global generator), or the window grouping's.
-        selection = select_train_steps(num_samples, traj.log_probs.shape[1] - 1, args.timestep_fraction, None)
-        traj.normaliser = ga * selection.num_train
-        steps = selection.steps.to(device)
-        t_update, stats, total_loss, grad_norm, optimizer_steps, last = time.time(), UpdateStats(), 0.0, None, 0, {}
-        for i in range(num_samples):
-            sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
-                                               transformer, last, ratios, step, counter))
-            stats += sample_stats
-            loss = _mean_over_ranks(sample_stats.loss, device)
-            if not math.isfinite(loss):
-                raise FloatingPointError(f"jagg_patch.upstream: the loss of sample {i} is {loss}; stopped before the "
-                                         "optimizer step, so the weights are not trained on it")
-            total_loss += loss
-            if (i + 1) % ga == 0:
-                grad_norm = optimizer_step(family, transformer, optimizer, named["lr_scheduler"],
-                                           named["max_grad_norm"])
-                optimizer_steps += 1
-            if _rank() % 8 == 0:
-                family.print_sample(trainer, traj, i, last)
-            if dist.is_initialized():
-                dist.barrier()
-        if grad_norm is None:
-            raise RuntimeError(f"jagg_patch.upstream: no optimizer step in this step: --gradient_accumulation_steps "
-                               f"{ga} exceeds the {num_samples} samples a rank trains; lower it")
+        selection = select_train_steps(traj.latents.shape[0], traj.log_probs.shape[1] - 1, args.timestep_fraction,
+                                       None)
+        traj.normaliser = args.gradient_accumulation_steps * selection.num_train
+        t_update = time.time()
+        done = accumulate(module, trainer, update, traj, selection.steps.to(device), named, step, counter, ratios)
         t_end = time.time()
     finally:
         counter.remove()
+    num_samples = traj.latents.shape[0]
     # The trainer's record names (dancegrpo.utils.metrics), this rank's counts.
-    stats_dict = {**update_counts(counter, stats, num_samples), "backward_calls": stats.backward_calls,
-                  "optimizer_steps": optimizer_steps, "loss": total_loss, "grad_norm": grad_norm.item(),
-                  **family.reward_record(gathered, args), **phase_times(t_start, t_update, t_end),
-                  **ratios.summary(device), **stats.metrics}
-    return (total_loss, grad_norm.item()), stats_dict
-
+    stats_dict = {**update_counts(counter, done.stats, num_samples), "backward_calls": done.stats.backward_calls,
+                  "optimizer_steps": done.optimizer_steps, "loss": done.total_loss,
+                  "grad_norm": done.grad_norm.item(), **family.reward_record(gathered, args),
+                  **phase_times(t_start, t_update, t_end), **ratios.summary(device), **done.stats.metrics}
+    return (done.total_loss, done.grad_norm.item()), stats_dict

@@ -145,17 +145,18 @@ class UpstreamFamily:
         return rows
 
     @classmethod
-    def sample_loss(cls, log_prob, old, advantages, normaliser, args, last):
-        """One transition's loss: mean PPO-clip over the sample / (GA * train_timesteps). `advantages`:
-        this sample's, by reward name; `last` keeps what the sample's print shows."""
+    def sample_loss(cls, log_prob, old, advantages, normaliser, args):
+        """One transition's loss, mean PPO-clip over the sample / (GA * train_timesteps), and the terms
+        the sample's print shows besides it (none). `advantages`: this sample's, by reward name."""
         per_sample = ppo_clip_loss(log_prob, old, advantages["reward"], cls.clip_range(args), cls.adv_clip_max(args))
-        return torch.mean(per_sample) / normaliser
+        return torch.mean(per_sample) / normaliser, ()
 
     @staticmethod
-    def print_sample(trainer, traj, i, last):
-        """Upstream's per-sample print (ranks whose rank % 8 == 0)."""
-        print(trainer.reward_label, traj.rewards["reward"][i].item(), "ratio", last.get("ratio"), "advantage",
-              traj.advantages["reward"][i].item(), "final loss", last["loss"].item(), flush=True)
+    def print_sample(traj, i, last, reward_label):
+        """Upstream's per-sample print (ranks whose rank % 8 == 0); `last`: the step's LastTransition;
+        `reward_label`: the release's ("hps reward" before bbf5278)."""
+        print(reward_label, traj.rewards["reward"][i].item(), "ratio", last.ratio, "advantage",
+              traj.advantages["reward"][i].item(), "final loss", last.loss.item(), flush=True)
 
     @staticmethod
     def reward_record(gathered, args):

@@ -100,20 +100,21 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
             raise ValueError(f"--bestofn must be at least 1, got {args.bestofn}")
 
     @classmethod
-    def sample_loss(cls, log_prob, old, advantages, normaliser, args, last):
+    def sample_loss(cls, log_prob, old, advantages, normaliser, args):
+        """vq_coef * L_vq + mq_coef * L_mq over one ratio, and (L_vq, L_mq) for the print."""
         losses = {name: torch.mean(ppo_clip_loss(log_prob, old, advantages[name], PPO_CLIP_RANGE, ADV_CLIP_MAX))
                   / normaliser for name in ("vq", "mq")}
-        last["vq_loss"], last["mq_loss"] = losses["vq"].detach(), losses["mq"].detach()
-        return args.vq_coef * losses["vq"] + args.mq_coef * losses["mq"]
+        final = args.vq_coef * losses["vq"] + args.mq_coef * losses["mq"]
+        return final, (losses["vq"].detach(), losses["mq"].detach())
 
     @staticmethod
-    def print_sample(trainer, traj, i, last):
+    def print_sample(traj, i, last, reward_label):
         clamped = [traj.advantages[name][i].clamp(-ADV_CLIP_MAX, ADV_CLIP_MAX).item() for name in ("vq", "mq")]
-        print("vq loss/mq loss", last["vq_loss"].item(), last["mq_loss"].item(), flush=True)
+        print("vq loss/mq loss", *(term.item() for term in last.terms), flush=True)
         print("vq/mq reward", traj.rewards["vq"][i].item(), traj.rewards["mq"][i].item(), flush=True)
-        print(" ratio", last.get("ratio"), flush=True)
+        print(" ratio", last.ratio, flush=True)
         print("vq advantage/mq advantage", *clamped, flush=True)
-        print("final loss", last["loss"].item(), flush=True)
+        print("final loss", last.loss.item(), flush=True)
 
     @staticmethod
     def reward_record(gathered, args):

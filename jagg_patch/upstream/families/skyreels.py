@@ -51,8 +51,8 @@ class SkyReelsI2VUpstream(FastvideoVideoUpstream):
                              "(or --cfg_infer 1)")
 
     @staticmethod
-    def print_sample(trainer, traj, i, last):
+    def print_sample(traj, i, last, reward_label):
         print("reward", traj.rewards["reward"][i].item(), flush=True)
-        print("ratio", last.get("ratio"), flush=True)
+        print("ratio", last.ratio, flush=True)
         print("advantage", traj.advantages["reward"][i].item(), flush=True)
-        print("final loss", last["loss"].item(), flush=True)
+        print("final loss", last.loss.item(), flush=True)

@@ -1,0 +1,66 @@
+"""What a mode of jagg_patch.tools.bench_update is: a named record (the JAGG mode, backward form,
+rollout reuse, whether --jagg_frac auto routes it), all of them in one table, and the update each
+one runs."""
+from dataclasses import dataclass
+
+from ..config import JaggConfig
+from ..core import resolve_backward
+from ..update import make_policy_update
+
+
+@dataclass(frozen=True)
+class BenchMode:
+    name: str
+    jagg_mode: str = None    # None: vanilla, dancegrpo's own update
+    backward: str = "joint"
+    reuse: str = "off"
+    auto: bool = False       # --jagg_frac auto, its monitor measuring in every timed run
+
+    @property
+    def vanilla(self):
+        return self.jagg_mode is None
+
+
+def _jagg_modes():
+    modes = [BenchMode("vanilla")]
+    for backward, suffix in (("joint", ""), ("split", "_split"), ("batched", "_batched")):
+        for reuse, tail in (("off", ""), ("on_policy", "_reuse")):
+            modes.append(BenchMode(f"jagg{suffix}{tail}", "jagg", backward, reuse))
+    modes += [BenchMode("exact", "exact"), BenchMode("endpoints", "endpoints")]
+    return modes
+
+
+_FIXED = _jagg_modes()
+# Every JAGG mode of the paper's method also runs routed by --jagg_frac auto, as "<name>_auto".
+MODES = {m.name: m for m in _FIXED + [BenchMode(f"{m.name}_auto", m.jagg_mode, m.backward, m.reuse, True)
+                                      for m in _FIXED if m.jagg_mode == "jagg"]}
+DEFAULT_MODES = ("vanilla", "jagg", "jagg_split", "jagg_batched", "jagg_reuse", "jagg_split_reuse",
+                 "jagg_batched_reuse", "exact", "endpoints")
+AUTO_SUFFIX = "_auto"
+
+
+def parse_modes(text):
+    """The BenchModes of a --bench_modes list; vanilla must be among them."""
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if any(name not in MODES for name in names) or "vanilla" not in names:
+        raise SystemExit(f"error: --bench_modes must include vanilla and come from {DEFAULT_MODES} (a JAGG mode may "
+                         f"end in {AUTO_SUFFIX}), got {names}")
+    return [MODES[name] for name in names]
+
+
+def make_update(args, mode):
+    """The JaggUpdate a JAGG mode runs with the run's --jagg_* settings."""
+    config = JaggConfig(window=args.jagg_window, jagg_frac="auto" if mode.auto else args.jagg_frac,
+                        mode=mode.jagg_mode, alpha=args.jagg_alpha, backward=mode.backward,
+                        grouping=args.jagg_grouping, reuse=mode.reuse, monitor_every=1 if mode.auto else 0,
+                        monitor_samples=args.jagg_monitor_samples, min_cos=args.jagg_min_cos)
+    return make_policy_update(config)
+
+
+def headline_mode(args, names, world_size):
+    """The name of the bench mode that runs what the configured --jagg_backward / --jagg_reuse_rollout
+    run (None when it was not measured and neither was jagg)."""
+    backward = resolve_backward(args.jagg_backward, world_size)
+    name = {"joint": "jagg", "split": "jagg_split", "batched": "jagg_batched"}[backward]
+    name += "" if args.jagg_reuse_rollout == "off" else "_reuse"
+    return name if name in names else ("jagg" if "jagg" in names else None)
