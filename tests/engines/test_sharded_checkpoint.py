@@ -151,13 +151,13 @@ def _relative(a, b):
 @pytest.mark.slow
 def test_fsdp2_trains_as_fsdp1_and_a_checkpoint_is_not_resumed_by_the_other_engine(cache_dir, tmp_path, capsys):
     """`--engine fsdp2` under torchrun through JAGG: one step's weights against FSDP1's run of the same
-    flags. float32: equal to the reduction order (measured 8.0e-8); LoRA: equal (measured 0); bf16
+    flags. float32 with EMA: equal to the reduction order (measured 8.0e-8; the EMA 7.7e-10); LoRA: equal (measured 0); bf16
     autocast: Adam's first step moves each weight by lr times the sign of its gradient, and where bf16
     rounds a gradient to about zero the two engines' sums (their autograd orders differ) pick different
     signs: about 3% of the weights, rel 2.0e-3 (measured); the gradients themselves agree to 6e-4
     (test_distributed). An FSDP1 checkpoint given to an FSDP2 run is refused in one line naming both."""
     lora = ["--use_lora", "--lora_rank", 4, "--lora_alpha", 8]
-    cases = {"float32": ([], WEIGHTS, 1e-6), "lora": (lora, ckpt.LORA_WEIGHTS_NAME, 1e-6),
+    cases = {"float32": (["--use_ema"], WEIGHTS, 1e-6), "lora": (lora, ckpt.LORA_WEIGHTS_NAME, 1e-6),
              "bf16": (["--mixed_precision", "bf16"], WEIGHTS, 5e-3)}
     for name, (flags, weights, tolerance) in cases.items():
         for engine in ("fsdp", "fsdp2"):
@@ -167,6 +167,9 @@ def test_fsdp2_trains_as_fsdp1_and_a_checkpoint_is_not_resumed_by_the_other_engi
         assert before.keys() == after.keys()
         print(f"{name}: FSDP2 vs FSDP1 weights after one step, rel. {_relative(before, after):.2e}")
         assert _relative(before, after) < tolerance, name
+    # the EMA (float32 run): measured 7.7e-10
+    ema = [_weights(tmp_path / f"float32-{engine}", os.path.join("ema", WEIGHTS)) for engine in ("fsdp", "fsdp2")]
+    assert _relative(*ema) < 1e-6
     proc = _launch(cache_dir, tmp_path / "float32-fsdp", "--max_train_steps", 2, "--engine", "fsdp2",
                    "--resume_from_checkpoint", "latest")
     _, err = proc.communicate(timeout=300)

@@ -65,9 +65,9 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
         videos, z, vq_rewards, mq_rewards, all_latents, all_log_probs, sigma_schedule = result
         return Rollout({"vq": vq_rewards, "mq": mq_rewards}, all_latents, all_log_probs, sigma_schedule, ())
 
-    @staticmethod
-    def advantages(rewards, gathered, args):
-        return {name: group_advantages(rewards[name], args.num_generations) for name in HunyuanVideoUpstream.reward_names}
+    @classmethod
+    def advantages(cls, rewards, gathered, args):
+        return {name: group_advantages(rewards[name], args.num_generations) for name in cls.reward_names}
 
     @staticmethod
     def best_of_n(advantages, args):
