@@ -236,6 +236,8 @@ UPSTREAM_CALLED = ("gather_tensor",)
 # Flux: all_image_ids | Qwen-Image: all_txt_seq_lens | Qwen-Image-Edit: all_txt_seq_lens, all_image_latents |
 # Wan: nothing more); HunyuanVideo: (videos, z, vq, mq, all_latents, all_log_probs, sigma_schedule);
 # SkyReels-I2V: (videos, z, rewards, all_latents, all_log_probs, sigma_schedule, first_frame_latents).
+# The rewards train_one_step reports, one reward file each, in its order (every other family: one, "reward").
+UPSTREAM_REWARD_NAMES = {"hunyuan": ("vq", "mq")}
 UPSTREAM_ROLLOUT_VALUES = {"flux": 5, "qwenimage": 5, "qwenimage_edit": 6, "wan": 4, "hunyuan": 7, "skyreels_i2v": 7}
 # Upstream's trainer files: those the adapter runs, and those it refuses (other shapes).
 UPSTREAM_TRAINER_FILES = {"train_grpo_flux.py": "flux", "train_grpo_flux_lora.py": "flux",

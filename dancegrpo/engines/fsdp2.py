@@ -26,7 +26,7 @@ import torch
 from ..errors import ConfigError
 from ..utils.fsdp_util import apply_activation_checkpointing, broadcast_module_states, resolve_weight_type
 from .base import build_optimizer
-from .fsdp import FSDPEngine, prepare_transformer
+from .fsdp import FSDPEngine
 from .probe import GradProbe
 
 # --fsdp_sharding_startegy -> (a 2-D mesh, reshard after forward)
@@ -119,10 +119,8 @@ class FSDP2Engine(FSDPEngine):
 
     @classmethod
     def build(cls, args, family, raw, device, world_size):
-        if world_size == 1:   # nothing to shard: the plain model, as --engine fsdp
-            model = prepare_transformer(args, family, raw, device, world_size, "fp32")
-            optimizer, scheduler = build_optimizer(args, model)
-            return cls(model, optimizer, scheduler, args.max_grad_norm)
+        if world_size == 1:   # nothing to shard: the plain model, as --engine fsdp builds it
+            return super().build(args, family, raw, device, world_size)
         weight_type = resolve_weight_type(args.master_weight_type, family.gpu_fsdp_weight_type, device,
                                           args.mixed_precision)
         if args.use_cpu_offload and torch.device(device).type == "cpu":

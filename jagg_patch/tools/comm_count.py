@@ -40,21 +40,22 @@ def fsdp_units(model):
 
 class CollectiveCounts:
     """all_gathers[unit] and reduce_scatters[unit] seen inside the `with` block, and the most
-    parameter bytes gathered (unsharded by an all-gather, not yet freed) at any one time."""
+    parameter bytes gathered (unsharded by an all-gather, not yet freed) at any one time. A unit is
+    keyed by the id of what gathers it (FSDP1's FlatParamHandle, FSDP2's param group)."""
 
     def __init__(self, units):
         self.units = units
         self.all_gathers, self.reduce_scatters = Counter(), Counter()
         self.gathered, self.peak_gathered_bytes, self.peak_gathered_units = {}, 0, 0
 
-    def on_gather(self, handle, tensor):
-        self.all_gathers[id(handle)] += 1
-        self.gathered[id(handle)] = tensor.numel() * tensor.element_size()
+    def on_gather(self, key, tensor):
+        self.all_gathers[key] += 1
+        self.gathered[key] = tensor.numel() * tensor.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, sum(self.gathered.values()))
         self.peak_gathered_units = max(self.peak_gathered_units, len(self.gathered))
 
-    def on_free(self, handle):
-        self.gathered.pop(id(handle), None)
+    def on_free(self, key):
+        self.gathered.pop(key, None)
 
     def per_unit(self):
         return {self.units.get(h, "?"): n for h, n in self.all_gathers.items()}
@@ -77,11 +78,11 @@ def count_fsdp_collectives(model):
 
     def counted_all_gather(handle, *args, **kwargs):
         out = all_gather(handle, *args, **kwargs)
-        counts.on_gather(handle, out)
+        counts.on_gather(id(handle), out)
         return out
 
     def counted_free(handle, *args, **kwargs):
-        counts.on_free(handle)
+        counts.on_free(id(handle))
         return free(handle, *args, **kwargs)
 
     def counted_reduce(state, handle):
@@ -125,12 +126,7 @@ def count_fsdp2_collectives(model):
 
     def counted_all_gather(fsdp_params, *args, **kwargs):
         result = all_gather(fsdp_params, *args, **kwargs)
-        group = params.get(id(fsdp_params[0])) if fsdp_params else None
-        counts.all_gathers[group] += 1
-        output = result.all_gather_output
-        counts.gathered[group] = output.numel() * output.element_size()
-        counts.peak_gathered_bytes = max(counts.peak_gathered_bytes, sum(counts.gathered.values()))
-        counts.peak_gathered_units = max(counts.peak_gathered_units, len(counts.gathered))
+        counts.on_gather(params.get(id(fsdp_params[0])) if fsdp_params else None, result.all_gather_output)
         return result
 
     def counted_reduce(fsdp_params, *args, **kwargs):
@@ -138,7 +134,7 @@ def count_fsdp2_collectives(model):
         return reduce(fsdp_params, *args, **kwargs)
 
     def counted_to_sharded(group, *args, **kwargs):
-        counts.gathered.pop(id(group), None)
+        counts.on_free(id(group))
         return to_sharded(group, *args, **kwargs)
 
     groups.foreach_all_gather, groups.foreach_reduce = counted_all_gather, counted_reduce

@@ -14,7 +14,7 @@ import warnings
 from dataclasses import dataclass
 
 from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_FAMILY_PARAMETERS, UPSTREAM_RELEASES,
-                     UPSTREAM_REFUSED_RELEASES, UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP,
+                     UPSTREAM_REFUSED_RELEASES, UPSTREAM_REWARD_NAMES, UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP,
                      UPSTREAM_TRAINER_FILES, UPSTREAM_UNSUPPORTED_FILES)
 from .tokenhash import function_source, hash_tokens, source_tokens, token_hash, token_hashes
 
@@ -174,6 +174,11 @@ def _literals(fn):
     return [value for _, value in sorted(found, key=lambda item: item[0])]
 
 
+def reward_names(family):
+    """The rewards the family's train_one_step reports, one reward file each, in its order."""
+    return UPSTREAM_REWARD_NAMES.get(family, ("reward",))
+
+
 def reward_files_of(fn):
     """The ./...reward.txt files train_one_step appends mean rewards to, in its order (./reward.txt;
     ./hps_reward.txt before bbf5278; HunyuanVideo's ./vq_reward.txt, ./mq_reward.txt), read from its
@@ -222,8 +227,12 @@ def signature_changes(module, family):
     if sizes - {UPSTREAM_ROLLOUT_VALUES[family]}:
         changes.append(f"sample_reference_model returns {sorted(sizes)} values, expected "
                        f"{UPSTREAM_ROLLOUT_VALUES[family]}")
-    if not reward_files_of(module.train_one_step):
+    files, names = reward_files_of(module.train_one_step), reward_names(family)
+    if not files:
         changes.append("train_one_step names no ./reward.txt file to append the mean reward to")
+    elif len(files) != len(names):
+        changes.append(f"train_one_step names the reward files {list(files)}, the {family} trainer reports "
+                       f"{len(names)} rewards ({', '.join(names)})")
     return changes
 
 

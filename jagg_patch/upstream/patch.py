@@ -4,7 +4,6 @@ import inspect
 import json
 import os
 import uuid
-import warnings
 
 from dancegrpo.algo.grpo import select_train_steps
 from dancegrpo.errors import DiskFullError, is_disk_full
@@ -15,7 +14,7 @@ from dancegrpo.utils.metrics import append_line, drop_torn_tail
 from ..config import as_config
 from ..update import make_policy_update, make_window_selection
 from .families import FAMILIES
-from .fingerprint import DOCS_PAGE, UpstreamChanged, UpstreamSourceChanged, check_upstream
+from .fingerprint import check_upstream
 from .step import train_step
 
 _ORIGINALS = {}   # module name -> upstream's own train_one_step, while patched
@@ -87,20 +86,6 @@ def make_train_one_step(module, trainer, update, select, original):
     return train_one_step
 
 
-def _check_reward_files(trainer, allow_changes):
-    """One reward file per reward of the family (HunyuanVideo: VQ, then MQ), as its source names them."""
-    names = FAMILIES[trainer.family].reward_names
-    if len(trainer.reward_files) == len(names):
-        return
-    line = (f"upstream changed what jagg_patch.upstream relies on in {trainer.file}: its train_one_step names the "
-            f"reward files {list(trainer.reward_files)}, the {trainer.family} trainer reports {len(names)} rewards "
-            f"({', '.join(names)}). See {DOCS_PAGE}")
-    if not allow_changes:
-        raise UpstreamChanged(line + "; --jagg_allow_upstream_changes runs anyway")
-    warnings.warn(UpstreamSourceChanged(line + " (running anyway, writing the files that pair with a reward)"),
-                  stacklevel=3)
-
-
 def apply(module, config=None, *, allow_upstream_changes=False, releases=None, **settings):
     """Replace module.train_one_step (upstream's own, from load_trainer or an import) by JAGG's, with
     a JaggConfig (or its settings by name: window=4, jagg_frac=0.6, ...). mode "exact" reproduces
@@ -114,7 +99,6 @@ def apply(module, config=None, *, allow_upstream_changes=False, releases=None, *
     if original is not None:
         module.train_one_step = original   # the fingerprint is of upstream's own function
     trainer = check_upstream(module, allow_upstream_changes, releases)
-    _check_reward_files(trainer, allow_upstream_changes)
     update = make_policy_update(config)
     select = make_window_selection(config.window) if config.grouping == "window" else select_train_steps
     _ORIGINALS[module.__name__] = original

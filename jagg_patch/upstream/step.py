@@ -132,7 +132,8 @@ def report_rewards(gathered, trainer):
     """Rank 0 prints every rank's rewards and appends their mean to the release's reward files, in
     the family's reward order (./reward.txt; ./hps_reward.txt before bbf5278; HunyuanVideo's
     ./vq_reward.txt, ./mq_reward.txt), as upstream. (A count of files other than the family's rewards
-    is stopped at apply, or runs as far as they pair under --jagg_allow_upstream_changes.)"""
+    is an upstream change, stopped at apply; under --jagg_allow_upstream_changes the files that pair
+    with a reward are written.)"""
     if _rank() != 0:
         return
     for rewards, label, path in zip(gathered.values(), trainer.gathered_labels, trainer.reward_files):

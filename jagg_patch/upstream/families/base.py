@@ -7,6 +7,7 @@ from collections import namedtuple
 import torch
 
 from dancegrpo.algo.grpo import ppo_clip_loss
+from dancegrpo.utils.metrics import reward_summary
 
 from ...cli import upstream_output_bytes
 
@@ -68,7 +69,7 @@ class UpstreamFamily:
     every sample trained, FSDP's transformer.clip_grad_norm_."""
     zero_grad_first = True
     needs_group = False
-    reward_names = ("reward",)   # the rollout's rewards, in the order train_one_step reports them
+    reward_names = ("reward",)   # the rollout's rewards, in the order train_one_step reports them (seams)
     plan_note = None   # a line the start-up plan adds for this family
     # What the plan says the kept rollout outputs cost per sample (None: not sized by the flags alone).
     output_bytes = staticmethod(upstream_output_bytes)
@@ -161,7 +162,6 @@ class UpstreamFamily:
     @staticmethod
     def reward_record(gathered, args):
         """The metrics line's rewards: reward_mean / reward_std of every rank's rewards."""
-        from dancegrpo.utils.metrics import reward_summary
         return reward_summary(gathered["reward"])
 
     @staticmethod

@@ -3,6 +3,9 @@ it shares with the SkyReels image-to-video trainer (FastvideoVideoUpstream)."""
 import torch
 
 from dancegrpo.algo.grpo import ppo_clip_loss
+from dancegrpo.utils.metrics import reward_summary
+
+from ...seams import UPSTREAM_REWARD_NAMES
 
 from .base import Rollout, UpstreamFamily, group_advantages, stacked
 from .wan import INTEGER_ALPHA_NOTE, integer_timesteps
@@ -58,7 +61,7 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
     one ratio, best-of-n over the rank's whole batch, the reward files ./vq_reward.txt and
     ./mq_reward.txt."""
     read_flags = FastvideoVideoUpstream.read_flags + ("bestofn", "vq_coef", "mq_coef")
-    reward_names = ("vq", "mq")
+    reward_names = UPSTREAM_REWARD_NAMES["hunyuan"]
 
     @staticmethod
     def unpack(result):
@@ -120,12 +123,6 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
     def reward_record(gathered, args):
         """Both rewards' mean / std over every rank, and as reward_mean / reward_std the reward the loss
         weighs, vq_coef * VQ + mq_coef * MQ per sample."""
-        record = {}
-        for name in ("vq", "mq"):
-            r = gathered[name]
-            record[f"{name}_reward_mean"] = r.mean().item()
-            record[f"{name}_reward_std"] = r.std().item() if r.numel() > 1 else 0.0
-        weighed = args.vq_coef * gathered["vq"] + args.mq_coef * gathered["mq"]
-        record["reward_mean"] = weighed.mean().item()
-        record["reward_std"] = weighed.std().item() if weighed.numel() > 1 else 0.0
-        return record
+        record = {f"{name}_{key}": value for name in ("vq", "mq")
+                  for key, value in reward_summary(gathered[name]).items()}
+        return {**record, **reward_summary(args.vq_coef * gathered["vq"] + args.mq_coef * gathered["mq"])}

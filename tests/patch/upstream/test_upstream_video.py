@@ -204,6 +204,6 @@ def test_a_hunyuan_file_without_its_second_reward_file_is_stopped_at_apply(tmp_p
         apply(module)
     assert "names the reward files ['./vq_reward.txt'], the hunyuan trainer reports 2 rewards (vq, mq)" in str(
         stopped.value) and "\n" not in str(stopped.value)
-    with pytest.warns(UpstreamSourceChanged, match="writing the files that pair with a reward"):
+    with pytest.warns(UpstreamSourceChanged, match="running anyway: --jagg_allow_upstream_changes"):
         apply(module, allow_upstream_changes=True)
     revert(module)
