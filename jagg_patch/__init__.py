@@ -8,21 +8,32 @@
     revert_jagg()
 
 or launch a trainer with it: `python -m jagg_patch dancegrpo.train_grpo_flux --jagg_window 4 ...`.
+Any other GRPO loop, unedited: `jagg_patch.deferred.wrap(model, config)` (that package imports
+nothing of dancegrpo, nor does this file: it loads in another codebase's environment).
 """
-from dancegrpo.utils.lazy import lazy_exports
+import importlib
 
 # Loaded on first use (the group backward needs torch): `python -m jagg_patch ... --help` and the
 # tools' flag errors answer before torch loads.
-__getattr__ = lazy_exports(__name__, {
+_EXPORTS = {
     "ALPHA_RULES": ".core", "BACKWARDS": ".core", "GROUPINGS": ".core", "MODES": ".core",
     "GroupResult": ".core", "interpolation_weights": ".core", "jagg_group_backward": ".core",
     "validate_jagg_config": ".core", "JaggConfig": ".config", "Group": ".plan", "describe_plan": ".plan",
     "num_trained_windows": ".plan", "plan_groups": ".plan", "plan_windows": ".plan", "apply_jagg": ".patch",
-    "is_patched": ".patch", "revert_jagg": ".patch", "SEAMS": ".seams", "SeamError": ".seams",
+    "apply_deferred": ".patch", "is_patched": ".patch", "revert_jagg": ".patch", "SEAMS": ".seams", "SeamError": ".seams",
     "check_seams": ".seams", "make_policy_update": ".update", "make_window_selection": ".update"
-})
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value   # resolved once
+    return value
+
 
 __all__ = ["JaggConfig", "ALPHA_RULES", "BACKWARDS", "GROUPINGS", "MODES", "Group", "GroupResult", "describe_plan",
            "interpolation_weights", "jagg_group_backward", "num_trained_windows", "plan_groups", "plan_windows",
-           "validate_jagg_config", "apply_jagg", "is_patched", "make_policy_update", "make_window_selection",
+           "validate_jagg_config", "apply_jagg", "apply_deferred", "is_patched", "make_policy_update", "make_window_selection",
            "revert_jagg", "SEAMS", "SeamError", "check_seams"]

@@ -20,6 +20,7 @@ members' loss gradients interpolated onto them. JAGG flags (see TRAINER_MODULE -
   --jagg_grouping trained|window  --jagg_alpha timestep|index
   --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
   --jagg_reuse_rollout off|on_policy|always (on_policy)
+  --jagg_deferred   the trainer's own update, unpatched, through the deferred proxy
 TRAINER_MODULE: one of TRAINERS. The defaults are the paper's variant; the authors' code is
   --jagg_grouping window --jagg_alpha index --jagg_backward split --jagg_frac 1
 Example: python -m jagg_patch dancegrpo.train_grpo_flux --preset tiny --output_dir out --jagg_window 4
@@ -37,10 +38,22 @@ def main(argv=None):
     from dancegrpo.args import parse_args
     args = parse_args(parser, rest)
     check_trajectory(args)
-    from .patch import apply_jagg   # the update (torch) loads once the command line is answered
-    apply_jagg(jagg_config(args), trainer_module=module)
+    from .patch import apply_deferred, apply_jagg   # the update (torch) loads once the command line is answered
+    (apply_deferred if args.jagg_deferred else apply_jagg)(jagg_config(args), trainer_module=module)
     print_on_rank0(jagg_plan_text(args))
-    return _exit_on_config_error(module.main)(args)
+    return _exit_on_deferred_error(_exit_on_config_error(module.main))(args)
+
+
+def _exit_on_deferred_error(fn):
+    """A run the deferred proxy stops (its replay guard, an argument changed in place): one line, exit 1."""
+    def run(*args):
+        from .deferred import DeferredError
+        try:
+            return fn(*args)
+        except DeferredError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            sys.exit(1)
+    return run
 
 
 def _exit_on_config_error(fn):

@@ -124,6 +124,12 @@ def add_jagg_args(parser):
                         "relative error per position (jagg_cos/g0, ...; jagg_patch.monitor). The training is "
                         "unchanged; the extra passes are counted apart (monitor_forwards / monitor_backwards). "
                         f"0 or not given: off (with --jagg_frac auto: {AUTO_MONITOR_EVERY} if not given, 0 refused).")
+    g.add_argument("--jagg_deferred", action="store_true",
+                   help="Leave the trainer's own update as it is and defer its backward through a proxy of the "
+                        "model (jagg_patch.deferred, docs/deferred.md): each call in grad mode returns its output "
+                        "as a leaf, the loop's own loss computes the upstream gradients, and before the clip the "
+                        "proxy folds them and replays the endpoints. Same gradient as the restated update; "
+                        "--jagg_backward is not used (the replay runs chunks of the loop's own call size).")
     g.add_argument("--jagg_monitor_samples", type=_positive, default=MONITOR_SAMPLES,
                    help="Samples the monitor measures on per rank, the step's first (over its first micro-batches "
                         "when one holds fewer); --jagg_frac auto needs >= 2 (the spread its bound is made of).")
@@ -178,9 +184,25 @@ def monitor_samples_for_batch(args):
         args.jagg_monitor_samples = per_rank
 
 
+def check_deferred(args):
+    """What --jagg_deferred cannot run with, in one line before anything loads."""
+    if not getattr(args, "jagg_deferred", False):
+        return
+    if getattr(args, "engine", None) == "deepspeed":
+        fail("--jagg_deferred does not drive DeepSpeed (its engine runs every backward itself): use --engine fsdp or "
+             "fsdp2, or leave out --jagg_deferred (the restated update runs on DeepSpeed)")
+    if args.jagg_grouping != "trained":
+        fail("--jagg_deferred groups the transitions the trainer's own update trains: use --jagg_grouping trained, or "
+             "leave out --jagg_deferred for the authors' windows")
+    if args.jagg_frac == "auto" or args.jagg_monitor_every:
+        fail("--jagg_deferred has no fidelity monitor: give a fixed --jagg_frac and no --jagg_monitor_every, or leave "
+             "out --jagg_deferred")
+
+
 def check_trajectory(args, min_cos_used=None):
     """The checks that need the trainer's geometry, before any model is loaded (min_cos_used: see
     monitor_for_auto)."""
+    check_deferred(args)
     monitor_for_auto(args, min_cos_used)
     monitor_samples_for_batch(args)
     if args.jagg_monitor_every and args.jagg_grouping == "window" and launch_world_size() > 1:
@@ -204,8 +226,10 @@ def jagg_plan_text(args, output_bytes=None):
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
     window = getattr(args, "sde_window_size", 0)
     n_vanilla = window or num_train_timesteps(num_transitions, args.timestep_fraction)
-    backward = resolve_backward(args.jagg_backward)
-    shown = backward if args.jagg_backward != "auto" else f"auto -> {backward}"
+    deferred = getattr(args, "jagg_deferred", False)
+    backward = "deferred" if deferred else resolve_backward(args.jagg_backward)
+    shown = backward if args.jagg_backward == "auto" or deferred else args.jagg_backward
+    shown = shown if args.jagg_backward != "auto" or deferred else f"auto -> {backward}"
     window_shown = args.jagg_window
     if args.jagg_grouping == "trained" and args.jagg_window > n_vanilla:
         # a sample trains fewer transitions than the window: its one group is all of them
@@ -223,7 +247,8 @@ def jagg_plan_text(args, output_bytes=None):
         return "\n".join([head + f"{trained}; positions 0..{n_vanilla - 1} of that order:",
                           *describe_plan(groups, args.jagg_mode, backward), *auto_text(args),
                           f"  per sample: {backwards} transformer backwards instead of {n_vanilla}",
-                          reuse_plan_text(args, middles, output_bytes)])
+                          deferred_plan_text(args, groups, n_vanilla) if deferred
+                          else reuse_plan_text(args, middles, output_bytes)])
     windows = plan_windows(num_transitions, args.jagg_window, _plan_fraction(args))
     n_train = num_trained_windows(len(windows), args.timestep_fraction)
     costs = sorted(group_cost(g, args.jagg_mode)[2] for g in windows)
@@ -238,6 +263,18 @@ def jagg_plan_text(args, output_bytes=None):
                       f"(vanilla trains {n_vanilla} transitions)",
                       reuse_plan_text(args, n_train * sum(group_cost(g, args.jagg_mode)[1] for g in windows)
                                       / len(windows), output_bytes)])
+
+
+def deferred_plan_text(args, groups, n_trained):
+    """What the deferred update runs per sample: the loop's own calls without grad (or the rollout's
+    outputs), then the flush's replays with grad, each with its backward."""
+    replays = sum(2 if g.jagg and args.jagg_mode != "exact" else g.size for g in groups)
+    reuse = {"off": "no reuse: each of them forwarded without grad",
+             "on_policy": "taken from the rollout before the step's first optimizer step, else forwarded without grad",
+             "always": "taken from the rollout (stale after an optimizer step)"}[args.jagg_reuse_rollout]
+    return (f"  deferred (jagg_patch.deferred, the trainer's update unpatched): per sample {n_trained} calls at the "
+            f"loop's pace ({reuse}), then at the flush {replays} replayed forwards with grad and their backwards; "
+            "rows the rollout record cannot place are trained exactly")
 
 
 def _plan_fraction(args):

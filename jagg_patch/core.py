@@ -59,7 +59,7 @@ def _broadcast_alpha(alpha_j, like):
     return alpha_j.to(device=like.device, dtype=like.dtype)
 
 
-def _fold(weights, upstream, end):
+def fold_signals(weights, upstream, end):
     """s_base (end 0) or s_corr (end 1): the weighted sum of the upstream gradients known so far.
 
     The sum is taken in float32 at least and rounded once to the gradients' own dtype: under bf16
@@ -82,7 +82,7 @@ def _exact_group(predict, step_loss, width, run_backward):
     return result
 
 
-def _endpoint_weights(alpha, mode, width):
+def endpoint_weights(alpha, mode, width):
     """Per-member (weight on J_0, weight on J_{W-1}) for the joint backward.
 
     jagg: J_j ~ (1 - alpha_j) J_0 + alpha_j J_{W-1}  (phase 3).
@@ -107,7 +107,7 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
     member j (no model pass); t: the W model timesteps in denoising order, [W] or [W, m].
     mode "jagg": the endpoints' signals are the alpha-weighted sums of all members' upstream
     gradients (alpha: see interpolation_weights); "endpoints": the paper's ablation (see
-    _endpoint_weights); both run 2 forwards with grad + W-2 without and 2 backwards:
+    endpoint_weights); both run 2 forwards with grad + W-2 without and 2 backwards:
       backward "joint": ONE autograd.backward on both endpoint outputs (both graphs alive);
       backward "split": middles first, then each endpoint's forward with grad and at once its
         own backward, so one endpoint graph is alive at a time (the authors' form).
@@ -128,7 +128,7 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
     width = len(t)
     if mode == "exact" or width == 1:
         return _exact_group(predict, step_loss, width, run_backward)
-    weights = _endpoint_weights(interpolation_weights(t, alpha), mode, width)
+    weights = endpoint_weights(interpolation_weights(t, alpha), mode, width)
     result, upstream = GroupResult(), {}
 
     def forward(j):
@@ -147,7 +147,7 @@ def jagg_group_backward(predict, step_loss, t, mode="jagg", alpha="timestep", ba
         return v
 
     def signal(end):
-        return _fold(weights, upstream, end)
+        return fold_signals(weights, upstream, end)
 
     if backward == "batched":
         if predict_pair is None:

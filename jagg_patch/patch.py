@@ -5,6 +5,8 @@ Each trainer's `train_one_step` reads its module-globals `policy_update` and
 `select_train_steps` at call time, so swapping those attributes switches a run to
 JAGG and back. The trained grouping replaces only `policy_update`; the window
 grouping (the authors' code) also replaces the choice of trained transitions.
+`apply_deferred` leaves the update as it is and wraps `train_one_step` instead, so that the
+trainer's own update calls the transformer through jagg_patch.deferred's proxy.
 """
 import importlib
 
@@ -13,6 +15,7 @@ from .seams import check_seams
 from .update import seam_replacements
 
 REPLACED = ("policy_update", "select_train_steps")
+WRAPPED = "train_one_step"   # by apply_deferred
 _ORIGINALS = {}  # (module name, seam) -> the original object, while patched
 
 
@@ -43,7 +46,33 @@ def apply_jagg(config=None, *, trainer_module=None, **settings):
         for seam in REPLACED:
             original = _ORIGINALS.setdefault((module.__name__, seam), getattr(module, seam))
             setattr(module, seam, replacements.get(seam, original))
+        _restore(module, WRAPPED)
     return modules
+
+
+def apply_deferred(config=None, *, trainer_module=None, **settings):
+    """Run the trainer's own (vanilla) update with its transformer behind jagg_patch.deferred's proxy:
+    its train_one_step seam is wrapped (jagg_patch.trainer_deferred), its update seams stay the
+    originals. Same arguments as apply_jagg; revert_jagg undoes it."""
+    from .deferred.proxy import check_config
+    from .trainer_deferred import deferred_train_one_step
+    config = as_config(config, **settings)
+    check_config(config)
+    modules = _trainer_modules(trainer_module)
+    for module in modules:
+        check_seams(module)
+    for module in modules:
+        for seam in REPLACED:
+            _restore(module, seam)
+        original = _ORIGINALS.setdefault((module.__name__, WRAPPED), getattr(module, WRAPPED))
+        setattr(module, WRAPPED, deferred_train_one_step(original, config))
+    return modules
+
+
+def _restore(module, seam):
+    original = _ORIGINALS.pop((module.__name__, seam), None)
+    if original is not None:
+        setattr(module, seam, original)
 
 
 def revert_jagg(trainer_module=None):
@@ -59,4 +88,4 @@ def is_patched(trainer_module):
     return any(key[0] == name for key in _ORIGINALS)
 
 
-__all__ = ["apply_jagg", "revert_jagg", "is_patched"]
+__all__ = ["apply_jagg", "apply_deferred", "revert_jagg", "is_patched"]

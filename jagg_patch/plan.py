@@ -63,7 +63,7 @@ def group_cost(group, mode="jagg", reused=False):
 
 def describe_plan(groups, mode="jagg", backward="joint", label="group", key="positions"):
     """Human-readable plan: one line per group, and the backward count it implies."""
-    calls = "2 calls" if backward == "split" else "1 call"
+    calls = {"split": "2 calls", "deferred": "the flush's replay"}.get(backward, "1 call")
     lines = []
     for g in groups:
         if g.jagg and mode != "exact":

@@ -51,6 +51,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.errors", "is_disk_full", ("error",)),
     ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
     ("dancegrpo.engines.probe", "GradProbe", ("params",)),
+    ("dancegrpo.engines.base", "Engine", None),
     ("dancegrpo.algo.grpo", "TrainSelection", None),
     ("dancegrpo.algo.grpo", "UpdateBatch", None),
     ("dancegrpo.algo.grpo", "UpdateStats", None),
@@ -93,6 +94,10 @@ PREPARED_UPDATE_FIELDS = ("cond", "captions", "rollout", "advantages", "selectio
 # The trainer keeps the rollout's model outputs (UpdateBatch.rollout_output) for a policy_update
 # whose attribute says it reads them; dancegrpo's own policy_update declares False.
 POLICY_UPDATE_ATTRIBUTES = ("uses_rollout_outputs",)
+# --jagg_deferred wraps the engine's optimizer_step (on the run's engine object) so that the deferred
+# proxy flushes before the engine's clip reads which parameters have a gradient
+# (jagg_patch.trainer_deferred): (method of dancegrpo.engines.base.Engine, its parameters).
+ENGINE_SEAMS = (("optimizer_step", ("self", "check_norm")),)
 # A patched policy_update may carry state across steps (its state_dict / load_state_dict: JAGG's auto
 # routing); the trainer saves it with each checkpoint and restores it on resume through these.
 POLICY_UPDATE_STATE = ("update_state", "restore_update_state")
@@ -135,6 +140,12 @@ def check_seams(module):
         if not callable(getattr(grpo, name, None)):
             raise SeamError(f"dancegrpo.algo.grpo has no {name!r}: the trainer would not keep the patched update's "
                             "state across a resume (--jagg_frac auto's routing; see jagg_patch.seams)")
+    from dancegrpo.engines.base import Engine
+    for name, params in ENGINE_SEAMS:
+        method = getattr(Engine, name, None)
+        if not callable(method) or _param_names(method) != params:
+            raise SeamError(f"dancegrpo.engines.base.Engine.{name} is not {name}{params}: --jagg_deferred flushes "
+                            "before it (see jagg_patch.seams.ENGINE_SEAMS)")
     _check_fields(UpdateBatch, UPDATE_BATCH_FIELDS)
     _check_fields(UpdateStats, UPDATE_STATS_FIELDS)
     _check_fields(TrainSelection, TRAIN_SELECTION_FIELDS)

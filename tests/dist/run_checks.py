@@ -19,7 +19,8 @@ import torch.distributed as dist
 # The order they run in: DeepSpeed last, so its global state (comm backend, ZeRO hooks) meets no
 # FSDP check after it.
 CHECKS = {"grad": "fsdp_grad_check", "comm": "fsdp_comm_check", "jagg_core": "fsdp_jagg_check",
-          "monitor": "fsdp_monitor_check", "upstream": "upstream_fsdp_check", "deepspeed": "deepspeed_check",
+          "monitor": "fsdp_monitor_check", "upstream": "upstream_fsdp_check", "deferred": "deferred_check",
+          "deepspeed": "deepspeed_check",
           "deepspeed_monitor": "deepspeed_monitor_check"}
 
 

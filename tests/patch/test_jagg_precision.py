@@ -10,7 +10,7 @@ from dancegrpo import trainer
 from dancegrpo.algo.grpo import policy_update as vanilla_update
 from dancegrpo.algo.rollout import predict_velocity
 from jagg_patch import make_policy_update
-from jagg_patch.core import _fold
+from jagg_patch.core import fold_signals
 
 from helpers import FAST, relative_error
 
@@ -78,7 +78,7 @@ def test_the_fold_of_bf16_upstream_gradients_is_rounded_once():
     upstream = {j: torch.randn(64, 256, generator=g).to(torch.bfloat16) for j in range(width)}
     for end in (0, 1):
         exact = sum(float(weights[j][end]) * s.double() for j, s in upstream.items())
-        folded = _fold(weights, upstream, end)
+        folded = fold_signals(weights, upstream, end)
         assert folded.dtype == torch.bfloat16
         assert relative_error(folded, exact) <= 2 ** -9
         naive = sum(weights[j][end].to(torch.bfloat16) * s for j, s in upstream.items())

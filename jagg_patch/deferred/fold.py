@@ -1,0 +1,93 @@
+"""What a flush replays: the pending rows grouped by trajectory, in denoising order (their position
+in the rollout), cut into groups of W trained rows and routed by jagg_frac as the restated update
+routes them (jagg_patch.plan); each JAGG group's signals folded onto its two endpoints
+(jagg_patch.core), every other row with its own signal. Rows that could not be placed, rows of a
+trajectory trained twice in one flush and rows of exact groups are trained exactly."""
+from dataclasses import dataclass
+
+import torch
+
+from ..core import endpoint_weights, fold_signals, interpolation_weights
+from ..plan import plan_groups
+from .record import MODE_EXACT, ROUTED_EXACT, TRAINED_TWICE
+
+
+@dataclass
+class Row:
+    """One row of a pending call: where the rollout placed it (entry) or why not (reason), and the
+    gradient the loop's loss sent to it."""
+    call: object
+    index: int
+    entry: object
+    reason: str
+
+    @property
+    def signal(self):
+        grad = self.call.leaf.grad
+        return torch.zeros_like(self.call.output[self.index]) if grad is None else grad[self.index]
+
+    @property
+    def t(self):
+        return float(self.call.t[self.index])
+
+
+@dataclass
+class Replay:
+    """A row to run again with grad, the gradient its output gets, and whether it is a JAGG group's
+    endpoint (else a row trained exactly)."""
+    call: object
+    index: int
+    signal: torch.Tensor
+    endpoint: bool = False
+
+
+def pending_rows(calls):
+    return [Row(call, r, *call.placements[r]) for call in calls for r in range(call.rows)]
+
+
+def _by_trajectory(rows, config, exact):
+    trajectories = {}
+    for row in rows:
+        if config.mode == "exact":
+            exact.append((row, MODE_EXACT))
+        elif row.entry is None:
+            exact.append((row, row.reason))
+        else:
+            trajectories.setdefault(row.entry.trajectory, []).append(row)
+    return trajectories
+
+
+def _group_replays(members, config, stats):
+    """The two endpoint replays of one JAGG group (members in denoising order)."""
+    t = torch.tensor([m.t for m in members], dtype=torch.float64)
+    weights = endpoint_weights(interpolation_weights(t, config.alpha), config.mode, len(members))
+    signals = {j: m.signal for j, m in enumerate(members)}
+    stats.jagg_groups += 1
+    return [Replay(members[0].call, members[0].index, fold_signals(weights, signals, 0), True),
+            Replay(members[-1].call, members[-1].index, fold_signals(weights, signals, 1), True)]
+
+
+def plan_replay(rows, config, stats):
+    """The replays of one flush's rows under `config` (a JaggConfig), counted into `stats`."""
+    exact, replays = [], []
+    for members in _by_trajectory(rows, config, exact).values():
+        positions = [m.entry.position for m in members]
+        if len(set(positions)) < len(positions):
+            exact += [(m, TRAINED_TWICE) for m in members]
+            continue
+        members.sort(key=lambda m: m.entry.position)
+        for group in plan_groups(range(len(members)), config.window, config.jagg_frac):
+            chosen = [members[i] for i in group.members]
+            if group.jagg:
+                replays += _group_replays(chosen, config, stats)
+            else:
+                exact += [(m, ROUTED_EXACT) for m in chosen]
+                stats.exact_groups += 1
+    for row, why in exact:
+        stats.rows_exact[why] = stats.rows_exact.get(why, 0) + 1
+        stats.exact_groups += why != ROUTED_EXACT   # a row of its own
+        replays.append(Replay(row.call, row.index, row.signal))
+    kept = [r for r in replays if bool((r.signal != 0).any())]
+    stats.zero_rows += len(replays) - len(kept)
+    stats.endpoint_rows += sum(r.endpoint for r in kept)
+    return kept

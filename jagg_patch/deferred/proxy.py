@@ -1,0 +1,246 @@
+"""The deferred proxy: JAGG for a GRPO loop left as it is.
+
+The loop calls the proxy where it called the model. A call under no_grad passes through (a rollout
+step is recorded: jagg_patch.deferred.record); so is one made on the model inside, past the proxy (a
+rollout through `pipeline.unet` while the update calls the prepared DDP wrapper), seen by a forward
+hook. A call in grad mode runs without grad (or takes the
+rollout's own output) and returns the output as a fresh leaf, so the loop's own log-prob, clip, KL
+and scaling compute each row's upstream gradient s_j into the leaf's .grad when the loop calls
+backward. Before the parameters' gradient is read (a clip, the optimizer's step: jagg_patch.deferred
+.hooks) the proxy flushes: it places each row in its trajectory, cuts the groups, folds the signals
+onto the endpoints (jagg_patch.deferred.fold) and replays the endpoints with grad, the parameters
+being those of the calls (jagg_patch.deferred.replay).
+"""
+import contextlib
+import time
+
+import torch
+
+from .calls import Call, CallShape, form_key, inner_model, output_form, split_output
+from .errors import DeferredError
+from .fold import pending_rows, plan_replay
+from .hooks import OptimizerHooks, patch_model_clip, register, unpatch_model_clip, unregister
+from .record import RolloutRecord, reuse_context
+from .replay import Replayer, guard, called_as, make_chunks
+from .stats import FlushStats
+
+_OWN = ("wrapped", "jagg_config", "stats")   # every other attribute is the model's (its .config, .module)
+
+
+def check_config(config):
+    """The settings a deferred update can serve, else one line naming the fix."""
+    if config.grouping != "trained":
+        raise DeferredError("jagg_patch.deferred groups the steps the loop trains (--jagg_grouping trained); the "
+                            "window grouping chooses the trained steps itself, which a loop left as it is does not "
+                            "let it do")
+    if config.auto or config.monitor_every:
+        raise DeferredError("jagg_patch.deferred has no fidelity monitor (--jagg_monitor_every, --jagg_frac auto): "
+                            "give a fixed --jagg_frac, or use the restated update")
+
+
+def refuse_mode_dependent(model):
+    """Dropout (p > 0) draws what a replay cannot draw again; batch norm couples the rows."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0:
+            raise DeferredError(f"jagg_patch.deferred cannot replay {type(module).__name__}(p={module.p}) at "
+                                f"{name or 'the model'}: the replay would draw another mask than the call; set its p "
+                                "to 0 or use the restated update")
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            raise DeferredError(f"jagg_patch.deferred cannot replay rows apart through {type(module).__name__} at "
+                                f"{name}: batch norm couples a batch's rows")
+
+
+class DeferredModel:
+    """See the module. `wrap(model, config)` makes one; `attach(optimizer)`, `flush()`, `stats` (one
+    FlushStats per flush), `close()`, `wrapped` (the model), `jagg_config`; every other attribute is
+    the wrapped model's."""
+
+    def __init__(self, model, config, *, timestep=None, latent=None, signature_of=None, replay_tolerance=None):
+        check_config(config)
+        refuse_mode_dependent(model)
+        self.wrapped, self.jagg_config, self.stats = model, config, []
+        self._shape = CallShape.of(signature_of or model, timestep, latent)
+        self._replayer = Replayer(model)
+        self._mode_module = inner_model(model)
+        self._tolerance = replay_tolerance
+        self._record = RolloutRecord(keep_outputs=config.reuse != "off" and config.mode != "exact")
+        self._pending, self._pending_keys, self._forms = [], set(), {}
+        self._current, self._last_call, self._flushing = FlushStats(), None, False
+        self._optimizers, self._versions, self._quiet = [], None, False
+        self._clips = patch_model_clip(model)
+        self._observer = inner_model(signature_of or model).register_forward_hook(self._observe, with_kwargs=True)
+        register(self)
+
+    # ------------------------------------------------------------ the model's attributes
+    def __getattr__(self, name):
+        if name.startswith("_") or name in _OWN:
+            raise AttributeError(name)
+        return getattr(self.wrapped, name)
+
+    def __repr__(self):
+        return (f"DeferredModel({type(self.wrapped).__name__}, window={self.jagg_config.window}, "
+                f"jagg_frac={self.jagg_config.jagg_frac}, pending={len(self._pending)})")
+
+    # ------------------------------------------------------------ calls
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self._pass_through(args, kwargs)
+        try:
+            call = Call.bind(self._shape, args, kwargs, self._mode_module.training)
+        except TypeError:
+            return self._replayer.target(*args, **kwargs)   # the model's own error for a bad call
+        return self._defer(call, args, kwargs)
+
+    def _pass_through(self, args, kwargs):
+        with self._own_call():
+            output = self._replayer.target(*args, **kwargs)
+        self._record_call(args, kwargs, output)
+        return output
+
+    def _observe(self, module, args, kwargs, output):
+        """A call of the model inside made past the proxy (the forward hook): recorded when without grad."""
+        if not self._quiet and not torch.is_grad_enabled():
+            self._record_call(args, kwargs, output)
+
+    def _record_call(self, args, kwargs, output):
+        try:
+            call = Call.bind(self._shape, args, kwargs, self._mode_module.training)
+            tensor, _ = split_output(output)
+        except (TypeError, DeferredError):
+            return   # a call the update never makes (another signature): nothing to record
+        if self._record.observe(call, tensor, self._pending_keys):
+            self._current.rollout_rows += call.rows
+        self._forms.setdefault(form_key(call), output_form(output))
+
+    @contextlib.contextmanager
+    def _own_call(self):
+        """The proxy's own calls of the model: not seen again by the forward hook."""
+        quiet, self._quiet = self._quiet, True
+        try:
+            yield
+        finally:
+            self._quiet = quiet
+
+    def _defer(self, call, args, kwargs):
+        self._record.in_update = True
+        if not self._pending:
+            self._versions = self._parameter_versions()
+        call.placements = [self._record.place(key) for key in call.keys]
+        tensor = self._reused(call)
+        if tensor is not None:
+            rebuild = self._forms[form_key(call)]
+            self._current.forwards_reused += call.rows
+        else:
+            with torch.no_grad(), self._own_call():
+                output = self._replayer.target(*args, **kwargs)
+            tensor, rebuild = split_output(output)
+            self._forms.setdefault(form_key(call), output_form(output))
+            self._current.forwards_nograd += call.rows
+        call.output = tensor.detach()
+        call.leaf = call.output.detach().requires_grad_(True)
+        self._pending.append(call)
+        self._pending_keys.update(call.keys)
+        self._last_call = call
+        self._current.calls += 1
+        self._current.rows_deferred += call.rows
+        # The loop gets a copy: it may change its output in place, the call-time output stays.
+        return rebuild(call.leaf.clone())
+
+    def _reused(self, call):
+        """The rollout's own outputs for every row of the call, where they are this model's now (no
+        optimizer step since, or reuse 'always'), ran under the same autocast and dtypes, and the
+        output's form is known; else None (the call runs its forward)."""
+        config, record = self.jagg_config, self._record
+        entries = [entry for entry, _ in call.placements]
+        usable = (record.keep_outputs and (not record.stale or config.reuse == "always")
+                  and (self._optimizers or config.reuse == "always")
+                  and self._forms.get(form_key(call)) is not None
+                  and all(e is not None and e.output is not None and e.context == reuse_context(call, r)
+                          for r, e in enumerate(entries)))
+        if not self._replayer.agreed(usable):
+            return None
+        return torch.stack([e.output for e in entries])
+
+    # ------------------------------------------------------------ the optimizer
+    def attach(self, optimizer):
+        """Flush before `optimizer`'s every real step (a wrapper's: the optimizer it holds); its
+        zero_grad drops what is pending. Returns the proxy."""
+        self._optimizers.append(OptimizerHooks(optimizer, self))
+        return self
+
+    def note_step(self):
+        self._record.stale = True
+
+    def drop_pending(self):
+        """What the loop's zero_grad would erase of vanilla's gradient: the rows not yet flushed."""
+        if self._pending and not self._flushing:
+            self._pending, self._pending_keys = [], set()
+
+    def close(self):
+        """Remove the hooks and patches; the proxy calls the model as it is from then on."""
+        for hooks in self._optimizers:
+            hooks.remove()
+        self._optimizers = []
+        unpatch_model_clip(self._clips)
+        self._clips = []
+        self._observer.remove()
+        unregister(self)
+
+    # ------------------------------------------------------------ the flush
+    def _parameter_versions(self):
+        # FSDP swaps its parameters' storage in every forward: its versions say nothing there.
+        if self._replayer.kind == "collective":
+            return None
+        return sum(p._version for p in self.wrapped.parameters() if p.requires_grad)
+
+    def _check_parameters(self):
+        if self._versions is not None and self._parameter_versions() != self._versions:
+            raise DeferredError("jagg_patch.deferred: the parameters changed between a deferred call and its flush (an "
+                                "optimizer step or an in-place update the proxy was not told of): attach the optimizer "
+                                "(proxy.attach(optimizer)) so that the proxy flushes before it steps")
+
+    def flush(self):
+        """Place, fold and replay every pending row; returns this flush's FlushStats (None when no rank
+        had anything pending)."""
+        if self._flushing or not self._replayer.most(len(self._pending)):
+            return None
+        self._flushing, started, stats = True, time.time(), self._current
+        try:
+            self._check_parameters()
+            changed = sorted({n for call in self._pending for n in call.changed_arguments()})
+            if changed:
+                raise DeferredError(f"jagg_patch.deferred: the loop changed the argument(s) {changed} of a deferred call "
+                                    "in place before the flush; the replay cannot see what the call saw")
+            replays = plan_replay(pending_rows(self._pending), self.jagg_config, stats)
+            max_rows = max((call.rows for call in self._pending), default=1)
+            chunks = make_chunks(replays, max_rows)
+            template = self._pending[-1] if self._pending else self._last_call
+            if template is None:
+                raise DeferredError("jagg_patch.deferred: another rank flushes, but this one has never been called in "
+                                    "grad mode: its share of the collectives has no row to run")
+            self._replayer.run(chunks, template, lambda chunk, target: self._run_chunk(chunk, target, stats), stats)
+        finally:
+            self._pending, self._pending_keys, self._flushing = [], set(), False
+            stats.time_s = time.time() - started
+            self._current = FlushStats()
+        self.stats.append(stats)
+        return stats
+
+    def _run_chunk(self, chunk, target, stats):
+        call = chunk.parts[0][0]
+        args, kwargs = call.bound(chunk.arguments())
+        with called_as(call, self._mode_module, self.wrapped), self._own_call():
+            tensor, _ = split_output(target(*args, **kwargs))
+        guard(chunk, tensor, stats, self._tolerance)
+        torch.autograd.backward([tensor], [chunk.signals.to(tensor.dtype)])
+        stats.forwards_grad += chunk.rows
+        stats.backward_calls += 1
+
+
+def wrap(model, config, **options):
+    """A DeferredModel of `model` (the object the loop calls: a plain model, DDP, FSDP1 or FSDP2) with
+    `config` (a jagg_patch.JaggConfig). options: timestep= / latent= (the argument names, for a model
+    class jagg_patch.deferred.calls.ARGUMENT_ROLES does not list), signature_of= (the model whose
+    forward names the arguments, when `model`'s takes only *args / **kwargs), replay_tolerance= (the
+    guard's relative bound instead of the one for the rows' precision)."""
+    return DeferredModel(model, config, **options)

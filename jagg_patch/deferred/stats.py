@@ -1,0 +1,60 @@
+"""What one flush did, counted in rows (one row = one sample's pass through the model at one step)."""
+from dataclasses import dataclass, field, fields
+
+from .record import REASONS
+
+# Fields that are the largest over flushes (and ranks), not a sum.
+LARGEST = ("max_replay_diff", "replay_bound", "time_s")
+
+
+@dataclass
+class FlushStats:
+    calls: int = 0              # the loop's calls in grad mode since the last flush
+    rows_deferred: int = 0      # their rows
+    rollout_rows: int = 0       # rows of calls without grad recorded as rollout steps
+    forwards_nograd: int = 0    # rows forwarded without grad when the loop called
+    forwards_reused: int = 0    # rows whose call-time output was the rollout's own
+    rows_exact: dict = field(default_factory=dict)   # why -> rows trained exactly (their own forward and backward)
+    jagg_groups: int = 0        # groups whose signals were folded onto their two endpoints
+    exact_groups: int = 0       # groups routed exact, and every row trained exactly for another reason
+    endpoint_rows: int = 0      # endpoint rows replayed with a folded signal
+    zero_rows: int = 0          # rows (or endpoints) not replayed: their signal is zero
+    forwards_grad: int = 0      # rows replayed with grad, padding included
+    backward_calls: int = 0     # replayed chunks: one forward with grad and one backward each
+    padding_rows: int = 0       # zero rows run so that every rank runs the same collectives
+    max_replay_diff: float = 0.0   # the largest |replay - call-time output| over the replayed rows
+    replay_bound: float = 0.0      # the bound it was held to (the largest of the chunks')
+    time_s: float = 0.0
+
+    @property
+    def exact_rows(self):
+        return sum(self.rows_exact.values())
+
+    def as_dict(self, prefix="deferred_"):
+        """A flat record (for a metrics line): the counts, and exact rows per reason (every reason, so
+        that every rank's record has the same fields)."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                out[f"{prefix}exact_rows"] = self.exact_rows
+                out.update({f"{prefix}exact/{why.replace(' ', '_')}": value.get(why, 0) for why in REASONS})
+            else:
+                out[f"{prefix}{f.name}"] = value
+        return out
+
+    @classmethod
+    def total(cls, many):
+        """The flushes of a step (or a run) summed; the replay difference and bound are the largest."""
+        total = cls()
+        for one in many:
+            for f in fields(cls):
+                value, mine = getattr(one, f.name), getattr(total, f.name)
+                if isinstance(value, dict):
+                    for why, n in value.items():
+                        mine[why] = mine.get(why, 0) + n
+                elif f.name in LARGEST:
+                    setattr(total, f.name, max(mine, value))
+                else:
+                    setattr(total, f.name, mine + value)
+        return total

@@ -1,0 +1,69 @@
+"""--jagg_deferred on dancegrpo's trainers: the trainer's own update (vanilla's policy_update,
+unpatched) calls the transformer through jagg_patch.deferred's proxy.
+
+Only the trainer module's `train_one_step(ctx)` seam is wrapped (jagg_patch.seams): at the first step
+it puts the proxy in ctx.transformer (the engine keeps the model it holds, for its clip, state dicts
+and EMA), attached to the engine's optimizer, and makes the engine's `optimizer_step` flush first
+(its clip reads which parameters have a gradient before it clips); every step's record gets the
+proxy's counts of that step, summed over the ranks. The JAGG plan, the counts and the gradient are the restated update's
+(jagg_patch.update); what differs is the cost of placing rows at call time and replaying the
+endpoints (docs/deferred.md).
+"""
+import torch
+
+from .deferred import DeferredModel, FlushStats, wrap
+from .deferred.stats import LARGEST
+
+
+def over_ranks(record, device):
+    """The step's counts summed over the ranks (the largest for the replay difference, bound, time)."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return record
+    names = sorted(record)
+    largest = [n for n in names if n.split("deferred_")[-1] in LARGEST]
+    summed = [n for n in names if n not in largest]
+    for group, op in ((summed, dist.ReduceOp.SUM), (largest, dist.ReduceOp.MAX)):
+        if group:
+            t = torch.tensor([float(record[n]) for n in group], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=op)
+            record.update({n: (int(v) if isinstance(record[n], int) else v) for n, v in zip(group, t.tolist())})
+    return record
+
+
+def step_record(stats, device):
+    """The fields a step's metrics record gets from its flushes: deferred_* counts, and the record's
+    own jagg_groups / exact_groups / transformer_forwards_reused as the deferred update ran them."""
+    total = FlushStats.total(stats)
+    record = {**total.as_dict(), "jagg_groups": total.jagg_groups, "exact_groups": total.exact_groups,
+              "transformer_forwards_reused": total.forwards_reused}
+    return over_ranks(record, device)
+
+
+def install(ctx, config):
+    """ctx.transformer behind the proxy, attached to the engine's optimizer; the engine's optimizer_step
+    flushes first."""
+    proxy = wrap(ctx.transformer, config).attach(ctx.engine.optimizer)
+    step = ctx.engine.optimizer_step
+
+    def optimizer_step(check_norm):
+        proxy.flush()
+        return step(check_norm)
+
+    ctx.engine.optimizer_step = optimizer_step
+    ctx.transformer = proxy
+
+
+def deferred_train_one_step(original, config):
+    """A train_one_step(ctx) that runs `original` with ctx.transformer behind the deferred proxy."""
+    def train_one_step(ctx):
+        if not isinstance(ctx.transformer, DeferredModel):
+            install(ctx, config)
+        before = len(ctx.transformer.stats)
+        record = original(ctx)
+        record.update(step_record(ctx.transformer.stats[before:], ctx.device))
+        return record
+
+    train_one_step.__name__ = "train_one_step"
+    train_one_step.jagg_deferred = config
+    return train_one_step

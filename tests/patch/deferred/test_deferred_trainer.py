@@ -1,0 +1,117 @@
+"""--jagg_deferred on this project's trainer: its own (vanilla) update, unpatched, through the proxy
+gives the restated update's gradient (float64, to 1e-12) for W 2-8, jagg_frac 0.6 / 1, both alpha
+rules, reuse off / on, micro-batches of 1 and more, accumulation over micro-batches; end to end
+through the launcher the same records; and the flags it cannot run with are refused in one line."""
+import json
+import os
+
+import pytest
+import torch
+
+from dancegrpo import trainer
+from dancegrpo.algo import grpo
+from helpers import FAST, REPO_ROOT, captured_step, float64_setup, keep_rollout_outputs, read_metrics, relative_error, run_main
+from jagg_patch import JaggConfig, apply_deferred, make_policy_update
+from jagg_patch import deferred
+
+pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
+
+
+def flat_grads(model):
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad and p.grad is not None])
+
+
+def both_updates(make_args, config, micro_batch, trained=4):
+    """(deferred gradient, restated gradient, the proxy's stats) of one accumulation over every sample:
+    the rollout's calls run through the proxy (one call per transition over all samples, in order)."""
+    args, ctx, cond, rollout, adv = float64_setup(make_args, micro_batch)
+    n, S = adv.numel(), args.sampling_steps
+    raw = ctx.transformer
+    proxy = deferred.wrap(raw, config).attach(ctx.optimizer)
+    ctx.transformer = proxy
+    keep_rollout_outputs(ctx, rollout, cond)   # the rollout's calls, through the proxy
+    steps = grpo.choose_train_steps(n, S - 1, trained, torch.Generator().manual_seed(1))
+    normaliser = args.gradient_accumulation_steps * trained
+    raw.zero_grad(set_to_none=True)
+    ctx.transformer.train()
+    trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, normaliser,
+                                       grpo.policy_update, on_policy=True)
+    proxy.flush()
+    got = flat_grads(raw)
+    proxy.close()
+    ctx.transformer = raw
+    raw.zero_grad(set_to_none=True)
+    trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, normaliser,
+                                       make_policy_update(config), on_policy=True)
+    return got, flat_grads(raw), proxy.stats[-1]
+
+
+@pytest.mark.parametrize("window, frac, alpha, reuse", [
+    (2, 1.0, "timestep", "off"), (3, 0.6, "index", "on_policy"), (4, 1.0, "timestep", "on_policy"),
+    (4, 0.6, "timestep", "off"), (8, 1.0, "index", "on_policy")])
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_deferred_equals_the_restated_update_float64(make_args, window, frac, alpha, reuse, micro_batch):
+    config = JaggConfig(window=window, jagg_frac=frac, alpha=alpha, reuse=reuse)
+    trained = 6 if window == 8 else 4
+    got, ref, stats = both_updates(make_args, config, micro_batch, trained)
+    assert relative_error(got, ref) < 1e-12
+    assert stats.exact_rows == stats.rows_exact.get("routed exact", 0)   # every row placed
+    # on_policy: every call's rows come from the rollout (no optimizer step in one accumulation)
+    assert stats.forwards_reused == (stats.rows_deferred if reuse == "on_policy" else 0)
+
+
+def test_deferred_counts_are_the_restated_ones(make_args):
+    """W 4, jagg_frac 1, reuse on: 8 samples x 1 group; 2 replayed rows and their backwards per
+    sample (but where the PPO clip zeroes a folded signal: not replayed); no call-time forward (the
+    rollout's outputs, before the optimizer step)."""
+    config = JaggConfig(window=4, jagg_frac=1.0)
+    _, _, stats = both_updates(make_args, config, 4)
+    assert stats.jagg_groups == 8 and stats.endpoint_rows + stats.zero_rows == 16 and stats.zero_rows > 0
+    assert stats.forwards_grad == stats.endpoint_rows
+    assert stats.backward_calls == 4   # chunks of the loop's call size (4 rows)
+    assert (stats.forwards_nograd, stats.forwards_reused) == (0, 32)   # rollout and update return alike
+
+
+def test_launcher_runs_deferred_as_the_restated_update(make_args, cache_dir, tmp_path, capsys):
+    """`python -m jagg_patch ... --jagg_deferred`: one step's gradient and record as the restated
+    update's (float32: equal to rounding), the proxy's counts in the record."""
+    flags = ["--jagg_window", "4", "--jagg_frac", "1", "--no-init_same_noise"]
+    from jagg_patch import apply_jagg
+    import dancegrpo.train_grpo_flux as flux
+    apply_jagg(JaggConfig(window=4, jagg_frac=1.0, backward="split"), trainer_module=flux)
+    restated, restated_grads, _ = captured_step(make_args, "--no-init_same_noise")
+    apply_deferred(JaggConfig(window=4, jagg_frac=1.0), trainer_module=flux)
+    record, grads, _ = captured_step(make_args, "--no-init_same_noise")
+    assert relative_error(grads[0], restated_grads[0]) < 1e-5
+    for name in ("transformer_backwards", "jagg_groups", "exact_groups"):
+        assert record[name] == restated[name], name
+    assert record["deferred_rows_deferred"] == 32 and record["deferred_exact_rows"] == 0
+    out = tmp_path / "run"
+    assert run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                    "--output_dir", out, "--max_train_steps", "1", *FAST, *flags, "--jagg_deferred") == 0
+    assert "deferred (jagg_patch.deferred, the trainer's update unpatched)" in capsys.readouterr().out
+    (line,) = read_metrics(out)
+    assert line["deferred_jagg_groups"] == 8 and line["transformer_backwards"] == 16
+
+
+def test_shared_initial_noise_trains_the_first_step_exactly(make_args):
+    """--init_same_noise (the presets' default): a group's first-step rows are the same row, so they
+    are trained exactly (counted) and the rest of each sample is grouped as usual."""
+    import dancegrpo.train_grpo_flux as flux
+    apply_deferred(JaggConfig(window=4, jagg_frac=1.0), trainer_module=flux)
+    record, _, _ = captured_step(make_args)
+    assert record["deferred_exact/identical_rows"] > 0
+    assert record["deferred_exact_rows"] == record["deferred_exact/identical_rows"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--engine", "deepspeed", "--deepspeed_config", os.path.join(REPO_ROOT, "configs", "deepspeed", "zero2.json")],
+     "does not drive DeepSpeed"),
+    (["--jagg_grouping", "window"], "use --jagg_grouping trained"),
+    (["--jagg_frac", "auto"], "no fidelity monitor"),
+    (["--jagg_monitor_every", "2"], "no fidelity monitor")])
+def test_flags_deferred_cannot_run_with_are_one_line(cache_dir, tmp_path, capsys, flags, message):
+    assert run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                    "--output_dir", tmp_path, "--jagg_deferred", *flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "metrics.jsonl")
