@@ -255,9 +255,11 @@ UPSTREAM_TRAINER_FILES = {"train_grpo_flux.py": "flux", "train_grpo_flux_lora.py
                           "train_grpo_qwenimage.py": "qwenimage", "train_grpo_qwenimage_edit.py": "qwenimage_edit",
                           "train_grpo_wan_2_1.py": "wan", "train_grpo_hunyuan.py": "hunyuan",
                           "train_grpo_skyreels_i2v.py": "skyreels_i2v"}
-UPSTREAM_UNSUPPORTED_FILES = {   # upstream's other trainers, refused by name before they are imported
-    "train_grpo_sd.py": "upstream's Stable Diffusion DDIM trainer, whose loop is inline in main() (no "
-                        "train_one_step / grpo_one_step / flux_step seam)",
+# Upstream's trainers without a train_one_step: their loop inline in an absl main(), the model prepared by
+# accelerate. jagg_patch.upstream runs them as they are, the prepared model behind the deferred proxy
+# (jagg_patch.deferred.prepare), told by name before they are imported.
+UPSTREAM_PREPARE_FILES = {
+    "train_grpo_sd.py": "upstream's Stable Diffusion DDIM trainer, whose loop is inline in main()",
 }
 
 
@@ -274,16 +276,18 @@ class UpstreamRelease:
 
 
 @dataclass(frozen=True)
-class RefusedRelease:
-    """A release refused by name: its train_one_step's token hash, its file and parameter count, why."""
+class OwnStepRelease:
+    """A release the restated step is not written for, known by name: its train_one_step's token hash,
+    its file and parameter count, what it is."""
     token_hash: str
     file: str
     parameters: int
     reason: str
 
 
-# Every release of train_one_step since open-sourcing, newest first within a family. A file whose
-# train_one_step hashes to none of these runs with a warning naming the nearest of its family.
+# Every release of train_one_step since open-sourcing, newest first within a family: the releases the
+# restated step is written for. A file whose train_one_step hashes to none of these runs as it is, with
+# its backward deferred (jagg_patch.upstream.own_step), said in one line naming the nearest of its family.
 UPSTREAM_RELEASES = (
     UpstreamRelease("ac4b353cdcc7f665", "flux", "train_grpo_flux.py 2145e4f .. 15cc71d", _FLUX_TRAIN,
                     ("./reward.txt",)),
@@ -302,11 +306,11 @@ UPSTREAM_RELEASES = (
     UpstreamRelease("f6253f76230e7ee4", "skyreels_i2v", "train_grpo_skyreels_i2v.py 61afbf2 .. 15cc71d",
                     _SKYREELS_TRAIN, ("./reward.txt",)),
 )
-# Releases of a supported file that are another trainer than the one the adapter restates: refused in one
-# line, by the token hash of their train_one_step or by their file name and parameter count.
-UPSTREAM_REFUSED_RELEASES = (
-    RefusedRelease("f03e20a33286d92c", "train_grpo_hunyuan.py", 26,
+# Releases of a supported file that are another trainer than the one the adapter restates (its family
+# cannot be told by its parameters, whose names are not known here): they run as they are, with their
+# backward deferred, told by the token hash of their train_one_step or by their file name and parameter count.
+UPSTREAM_OWN_STEP_RELEASES = (
+    OwnStepRelease("f03e20a33286d92c", "train_grpo_hunyuan.py", 26,
                    "the HunyuanVideo trainer of 93ec253 (2025-05-28, the open-sourcing release), a different, older "
-                   "trainer (its train_one_step takes 26 parameters); jagg_patch.upstream runs train_grpo_hunyuan.py "
-                   "from be8cf11 on (its 10-parameter train_one_step): update the checkout"),
+                   "trainer (its train_one_step takes 26 parameters) than the restated one (be8cf11 on)"),
 )

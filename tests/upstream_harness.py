@@ -42,6 +42,19 @@ def copy_checkout(dest):
     return str(dest)
 
 
+def write_changed(tmp_path, key, old, new):
+    """A copy of the stand-in checkout with one edit in one file, in a folder of its own (further edits
+    go to the same copy)."""
+    folder = tmp_path / "changed"
+    path = standin_file(key, copy_checkout(folder) if not folder.exists() else str(folder))
+    with open(path) as f:
+        text = f.read()
+    assert old in text
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
+    return path
+
+
 def forget_fastvideo():
     for name in [n for n in sys.modules if n == "fastvideo" or n.startswith("fastvideo.")]:
         del sys.modules[name]
@@ -68,6 +81,40 @@ def one_rank_group():
 @pytest.fixture(autouse=True)
 def in_tmp(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)   # upstream appends to its reward file in the working folder
+
+
+def _train_one_step_source(path):
+    import ast
+    text = open(path).read()
+    (node,) = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "train_one_step"]
+    return "".join(text.splitlines(keepends=True)[node.lineno - 1:node.end_lineno]), node
+
+
+def standin_release(key, path=None):
+    """The stand-in file's train_one_step as a known release (its token hashes, as on any Python): the
+    restated step runs it as it runs a recorded upstream release."""
+    from jagg_patch.seams import UpstreamRelease
+    from jagg_patch.upstream.tokenhash import hash_tokens, source_tokens
+    source, node = _train_one_step_source(path or standin_file(key))
+    params = tuple(a.arg for a in node.args.args)
+    files = tuple(dict.fromkeys(s for s in __import__("re").findall(r'"(\./[a-z_]*reward\.txt)"', source)))
+    return [UpstreamRelease(hash_tokens(source_tokens(source, join_fstrings=join)), FAMILY[key],
+                            f"{FILES[key]} (the stand-in)", params, files) for join in (True, False)]
+
+
+@functools.lru_cache(maxsize=None)
+def standin_releases():
+    return tuple(r for key in FILES for r in standin_release(key))
+
+
+@pytest.fixture(autouse=True)
+def standins_known(monkeypatch):
+    """The stand-ins are no release of upstream's (their token hashes differ from the recorded ones):
+    for the tests of the restated step they are known, as a user's recorded release is. A test of an
+    unknown source gives apply its own `releases`."""
+    fingerprint_module = importlib.import_module("jagg_patch.upstream.fingerprint")
+    monkeypatch.setattr(fingerprint_module, "UPSTREAM_RELEASES", fingerprint_module.UPSTREAM_RELEASES
+                        + standin_releases())
 
 
 def flat(tensors):
@@ -232,18 +279,22 @@ class _Recording:
         return getattr(self.model, name)
 
 
-def reference_jagg_gradient(standin, result, steps, advantages, normaliser, alpha="timestep"):
+def reference_jagg_gradient(standin, result, steps, advantages, normaliser, alpha="timestep", exact_first=False):
     """sum over samples of J_0^T s_base + J_{W-1}^T s_corr for ONE group of all of each sample's
     trained transitions (steps [B, W], jagg_frac 1), float64 autograd, from the stand-in's own
     grpo_one_step: v_j its transformer output at member j, s_j the gradient of member j's PPO loss
     with respect to that output (through grpo_one_step on the fixed output), alpha by the model
     timesteps (the image trainers' int(sigma * 1000) / 1000 in float32, Wan's integers
-    int(sigma * 1000) in float64) or by the member index."""
+    int(sigma * 1000) in float64) or by the member index. exact_first: a sample's first transition
+    (k 0), where it is trained, backpropagated on its own and left out of the group (the deferred
+    update's rule for rows identical to another sample's: samples that start from one latent)."""
     module, args, params = standin.module, standin.args, standin.trainable()
     _, all_latents, all_log_probs, sigmas = result[:4]
     total = [torch.zeros_like(p) for p in params]
     for i in range(all_latents.shape[0]):
         ks = sorted(int(k) for k in steps[i])
+        first = [k for k in ks if exact_first and k == 0]
+        ks = [k for k in ks if k not in first]
         # the model's timestep as the family's model gets it: Flux's int(sigma * 1000) / 1000 in float32,
         # Wan's the integers themselves (in float64 here: its alpha's ratios exact)
         integers = [int(sigmas[k] * 1000) for k in ks]
@@ -265,6 +316,13 @@ def reference_jagg_gradient(standin, result, steps, advantages, normaliser, alph
             clipped = torch.clamp(ratio, 1 - args.clip_range, 1 + args.clip_range)
             return torch.mean(torch.maximum(-adv * ratio, -adv * clipped)) / normaliser
 
+        for k in first + (ks if len(ks) == 1 else []):
+            recording = _Recording(standin.transformer)
+            call(k, recording)
+            grads = torch.autograd.grad(loss_at(k, recording.output), params, allow_unused=True)
+            total = [acc + (0 if g is None else g) for acc, g in zip(total, grads)]
+        if len(ks) < 2:
+            continue
         outputs = []
         for k in ks:
             recording = _Recording(standin.transformer)
@@ -334,13 +392,14 @@ def video_kwargs(standin, result, row):
     return values
 
 
-def reference_video_gradient(standin, result, rows, steps, advantages, window, jagg_frac, alpha="timestep"):
+def reference_video_gradient(standin, result, rows, steps, advantages, window, jagg_frac, alpha="timestep",
+                             adv_clip_max=5.0):
     """The JAGG gradient of one step of a video stand-in, float64 autograd of its own grpo_one_step:
     per trained sample, its trained transitions in denoising order cut into groups of `window`, the first
     round_half_up(groups * jagg_frac) (of 2 or more) as J_0^T s_base + J_{W-1}^T s_corr with alpha from
     the integer model timesteps or the member index, the others each member's own backward; the loss
-    with the trainers' constants (clip 1e-4, advantage clamp 5.0), HunyuanVideo's vq_coef * L_vq +
-    mq_coef * L_mq; normalised by GA * trained transitions."""
+    with the trainers' constants (clip 1e-4, advantage clamp 5.0, or `adv_clip_max` for a file edited
+    there), HunyuanVideo's vq_coef * L_vq + mq_coef * L_mq; normalised by GA * trained transitions."""
     module, args, params = standin.module, standin.args, standin.trainable()
     _, all_latents, all_log_probs, sigmas = video_rollout(standin, result)
     coefs = {"vq": args.vq_coef, "mq": args.mq_coef} if standin.key == "hunyuan" else {"reward": 1.0}
@@ -364,7 +423,7 @@ def reference_video_gradient(standin, result, rows, steps, advantages, window, j
             ratio = torch.exp(call(k, _Recording(standin.transformer, v)) - all_log_probs[row:row + 1, k])
             loss = 0
             for name, coef in coefs.items():
-                adv = advantages[name][row:row + 1].clamp(-5.0, 5.0)
+                adv = advantages[name][row:row + 1].clamp(-adv_clip_max, adv_clip_max)
                 term = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - 1e-4, 1 + 1e-4))
                 loss = loss + coef * (torch.mean(term) / normaliser)
             return loss

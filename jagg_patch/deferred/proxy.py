@@ -24,7 +24,7 @@ from .record import RolloutRecord, reuse_context
 from .replay import Replayer, guard, called_as, make_chunks
 from .stats import FlushStats
 
-_OWN = ("wrapped", "jagg_config", "stats")   # every other attribute is the model's (its .config, .module)
+_OWN = ("wrapped", "jagg_config", "stats", "on_flush")   # every other attribute is the model's (its .config, .module)
 
 
 def check_config(config):
@@ -52,13 +52,13 @@ def refuse_mode_dependent(model):
 
 class DeferredModel:
     """See the module. `wrap(model, config)` makes one; `attach(optimizer)`, `flush()`, `stats` (one
-    FlushStats per flush), `close()`, `wrapped` (the model), `jagg_config`; every other attribute is
-    the wrapped model's."""
+    FlushStats per flush), `on_flush` (callbacks fn(proxy, stats) after each flush, on every rank),
+    `close()`, `wrapped` (the model), `jagg_config`; every other attribute is the wrapped model's."""
 
     def __init__(self, model, config, *, timestep=None, latent=None, signature_of=None, replay_tolerance=None):
         check_config(config)
         refuse_mode_dependent(model)
-        self.wrapped, self.jagg_config, self.stats = model, config, []
+        self.wrapped, self.jagg_config, self.stats, self.on_flush = model, config, [], []
         self._shape = CallShape.of(signature_of or model, timestep, latent)
         self._replayer = Replayer(model)
         self._mode_module = inner_model(model)
@@ -224,7 +224,14 @@ class DeferredModel:
             stats.time_s = time.time() - started
             self._current = FlushStats()
         self.stats.append(stats)
+        for callback in self.on_flush:
+            callback(self, stats)
         return stats
+
+    @property
+    def device(self):
+        """Where the model's parameters are (the collectives' device)."""
+        return self._replayer.device()
 
     def _run_chunk(self, chunk, target, stats):
         call = chunk.parts[0][0]

@@ -166,7 +166,7 @@ class Replayer:
         import torch.distributed as dist
         return self.kind != "plain" and dist.is_available() and dist.is_initialized()
 
-    def _device(self):
+    def device(self):
         param = next(self.model.parameters(), None)
         return param.device if param is not None else torch.device("cpu")
 
@@ -175,7 +175,7 @@ class Replayer:
         if not self.distributed:
             return value
         import torch.distributed as dist
-        t = torch.tensor([value], dtype=torch.int64, device=self._device())
+        t = torch.tensor([value], dtype=torch.int64, device=self.device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return int(t.item())
 

@@ -2,7 +2,10 @@
 
 Runs an upstream DanceGRPO trainer file (fastvideo/train_grpo_flux.py, train_grpo_flux_lora.py,
 train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py, train_grpo_hunyuan.py,
-train_grpo_skyreels_i2v.py) with its train_one_step replaced by JAGG. Works the same under torchrun.
+train_grpo_skyreels_i2v.py) with its train_one_step replaced by JAGG: the restated step for a known
+release, the file's own step with its backward deferred otherwise (and with --jagg_deferred);
+train_grpo_sd.py with the model accelerate prepares behind the deferred proxy. Works the same under
+torchrun.
 """
 import argparse
 import os
@@ -13,8 +16,7 @@ from dancegrpo.utils.launch import launch_rank
 
 from ..cli import add_jagg_args, check_trajectory, fail, jagg_config, jagg_plan_text, monitor_for_auto
 from ..settings import resolve_backward
-from .fingerprint import (UpstreamChanged, UpstreamUnsupported, describe_fingerprint, fingerprint,
-                          refuse_unsupported_file)
+from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
 from .loader import load_trainer, run_main_block
 
 USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
@@ -23,18 +25,22 @@ USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [ups
 
 Run an unmodified upstream DanceGRPO trainer (train_grpo_flux.py, train_grpo_flux_lora.py,
 train_grpo_qwenimage.py, train_grpo_qwenimage_edit.py, train_grpo_wan_2_1.py, train_grpo_hunyuan.py,
-train_grpo_skyreels_i2v.py; any release since open-sourcing) with its train_one_step replaced by JAGG; its own flags follow the file, unchanged. JAGG flags (removed
-before upstream's parser sees the argv):
+train_grpo_skyreels_i2v.py; any release since open-sourcing) with its train_one_step replaced by JAGG;
+its own flags follow the file, unchanged. A train_one_step that is no release the restated step is
+written for (an edited line) runs as it is, its own code, with the backward deferred (said in one
+line); so does train_grpo_sd.py (its model prepared by accelerate). JAGG flags (removed before
+upstream's parser sees the argv):
   --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
   --jagg_alpha timestep|index  --jagg_grouping trained|window
   --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
   --jagg_reuse_rollout off|on_policy|always (on_policy)
   --jagg_monitor_every N (0: off)  --jagg_min_cos C (0.8)   the live fidelity monitor and --jagg_frac auto;
       upstream's micro-batch is one sample: the monitor measures each rank's first sample of the step
+  --jagg_deferred   the file's own train_one_step, unedited, through the deferred proxy
   --jagg_allow_upstream_changes   run although the file differs from what the adapter relies on
   --jagg_fingerprint               print the file's fingerprint (family, parameters, token hash, known
                                    release), exit
---jagg_mode exact reproduces upstream's own step (same gradients, returns and RNG draws).
+--jagg_mode exact runs upstream's own step as it is (its gradients, returns and RNG draws).
 """
 
 
@@ -58,20 +64,21 @@ def split_argv(argv):
     if not rest or rest[0].startswith("-"):
         fail(f"no trainer file given before {rest[0]!r} (e.g. fastvideo/train_grpo_flux.py); see --help" if rest else
              "no trainer file given (e.g. fastvideo/train_grpo_flux.py); see --help")
-    check_trainer_path(rest[0])
+    kind = check_trainer_path(rest[0])
     jagg_tokens, upstream_flags = _take_jagg_flags(parser, rest[1:])
-    return parser.parse_args(before + jagg_tokens), rest[0], upstream_flags
+    return parser.parse_args(before + jagg_tokens), rest[0], upstream_flags, kind
 
 
 def check_trainer_path(path):
-    """One line, exit 2, for a trainer path that cannot be upstream's trainer file."""
+    """How the adapter runs the file (fingerprint.file_kind); one line, exit 2, for a path that cannot
+    be upstream's trainer file."""
     if os.path.isdir(path):
         example = os.path.join(path, "fastvideo", "train_grpo_flux.py")
         fail(f"{path!r} is a folder; give the trainer file in it, e.g. {example}")
     if os.path.exists(path) and not path.endswith(".py"):
         fail(f"{path!r} is not a Python file; give upstream's trainer file, e.g. fastvideo/train_grpo_flux.py")
     try:
-        refuse_unsupported_file(os.path.realpath(path))
+        return file_kind(os.path.realpath(path))
     except UpstreamUnsupported as e:   # before the import, which would stop on the file's own dependencies
         fail(str(e))
 
@@ -95,11 +102,20 @@ def _take_jagg_flags(parser, args, stop_at_positional=False):
     return jagg, others
 
 
-def preflight(upstream_args, jagg, family, trainer=None):
+def preflight(upstream_args, jagg, family, trainer=None, update="restated"):
     """The checks that need upstream's parsed flags, before upstream's main loads anything; then what
-    the file was found to be (`trainer`, a fingerprint.Trainer) and the plan."""
+    the file was found to be (`trainer`, a fingerprint.Trainer) and the plan. update: what runs
+    ("restated", "deferred", "own step": jagg_patch.upstream.patch.apply); a file of no known family
+    runs its own step, and only the plan's summary is said."""
     from .families import FAMILIES
     from .step import needs_group
+    if family is None:
+        if launch_rank() == 0:
+            print(f"jagg_patch.upstream: {trainer.describe()}" if trainer is not None else "", flush=True)
+            print(f"JAGG (deferred, mode {jagg.jagg_mode}, window {jagg.jagg_window}, jagg_frac {jagg.jagg_frac}, "
+                  f"alpha {jagg.jagg_alpha}): the file's own train_one_step; each trajectory's trained rows in "
+                  "denoising order, cut into groups of W", flush=True)
+        return
     rules = FAMILIES[family]
     missing = [name for name in rules.read_flags if not hasattr(upstream_args, name)]
     if missing:
@@ -115,8 +131,10 @@ def preflight(upstream_args, jagg, family, trainer=None):
         fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {trained} "
              "samples a rank trains per step, so train_one_step would never step the optimizer (upstream then "
              "fails on an unbound grad_norm); lower it")
-    choose_backward(rules, upstream_args, jagg, per_rank)
+    if update == "restated":
+        choose_backward(rules, upstream_args, jagg, per_rank)
     merged.jagg_backward, merged.jagg_trained_per_rank = jagg.jagg_backward, trained
+    merged.jagg_deferred = update == "deferred"
     check_trajectory(merged)   # it may lower --jagg_monitor_samples to the samples a rank trains
     jagg.jagg_monitor_samples = merged.jagg_monitor_samples
     try:
@@ -174,33 +192,65 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         sys.exit(0 if argv else 2)
-    jagg, script, upstream_argv = split_argv(argv)
+    jagg, script, upstream_argv, kind = split_argv(argv)
     monitor_for_auto(jagg)
     config = jagg_config(jagg)   # checked here, once: apply and the update take the object as it is
+    if kind == "prepare":
+        return run_prepared(script, config, upstream_argv)
     module = load_or_fail(script)
+    from ..deferred import DeferredError
     from .patch import apply   # the update (torch): once the command line and the file are checked
     try:
         if jagg.jagg_fingerprint:
             print(describe_fingerprint(fingerprint(module)))
             return 0
-        family = apply(module, config, allow_upstream_changes=jagg.jagg_allow_upstream_changes)
-    except (ValueError, UpstreamChanged, UpstreamUnsupported) as e:
+        family = apply(module, config, allow_upstream_changes=jagg.jagg_allow_upstream_changes,
+                       deferred=jagg.jagg_deferred)
+    except (ValueError, UpstreamChanged, UpstreamUnsupported, DeferredError) as e:
         fail(str(e))
     upstream_main = module.main
-
-    trainer = module.train_one_step.jagg_trainer
+    trainer, update = module.train_one_step.jagg_trainer, module.train_one_step.jagg_update
 
     def checked_main(args):
-        preflight(args, jagg, family, trainer)
+        preflight(args, jagg, family, trainer, update)
         # lowered to the samples a rank trains (the update measures that many too), or auto's backward
         # turned to one the trainer runs
         changed = {"monitor_samples": jagg.jagg_monitor_samples, "backward": jagg.jagg_backward}
-        if any(getattr(config, name) != value for name, value in changed.items()):
+        if update == "restated" and any(getattr(config, name) != value for name, value in changed.items()):
             apply(module, config.replace(**changed), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
         return upstream_main(args)
 
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name
-    run_main_block(module, upstream_argv)
+    run_deferred_errors(lambda: run_main_block(module, upstream_argv))
+    return 0
+
+
+def run_deferred_errors(fn):
+    """A run the deferred proxy stops (its replay guard, an argument changed in place, arguments it cannot
+    tell): one line, exit 1."""
+    from ..deferred import DeferredError
+    try:
+        return fn()
+    except (DeferredError, UpstreamUnsupported) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
+def run_prepared(script, config, upstream_argv):
+    """A trainer whose loop is inline in main() (train_grpo_sd.py): its main block runs as it is, the
+    model accelerate prepares behind the deferred proxy (--jagg_mode exact: untouched); every flush's
+    counts go to ./jagg_metrics.jsonl in the working folder, beside upstream's ./reward.txt."""
+    module = load_or_fail(script)
+    if config.mode == "exact":
+        run_main_block(module, upstream_argv)
+        return 0
+    from ..deferred.prepare import install_at_prepare
+    from .metrics_file import flush_lines
+    installed = install_at_prepare(config, on_flush=flush_lines(os.path.basename(script), config))
+    try:
+        run_deferred_errors(lambda: run_main_block(module, upstream_argv))
+    finally:
+        installed.remove()
     return 0
 
 

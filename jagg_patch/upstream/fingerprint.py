@@ -3,9 +3,9 @@ UPSTREAM_*): the family, each function's parameters, the rollout's return arity,
 its train_one_step appends to, and which known release its train_one_step is (by token hash).
 
 A changed parameter list or arity stops at once with one line (UpstreamChanged), unless
-allow_changes turns it into a warning; a train_one_step that is no known release only warns
-(UpstreamSourceChanged), naming the nearest known release and the docs section to re-read. A file
-that is none of the supported trainers stops with one line naming them (UpstreamUnsupported).
+allow_changes turns it into a warning (UpstreamSourceChanged); a train_one_step that is no known
+release, or no family's, is said in Trainer.unknown (it then runs as it is, its backward deferred:
+jagg_patch.upstream.own_step). A file the adapter cannot run stops with one line (UpstreamUnsupported).
 """
 import ast
 import inspect
@@ -13,9 +13,9 @@ import os
 import warnings
 from dataclasses import dataclass
 
-from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_FAMILY_PARAMETERS, UPSTREAM_RELEASES,
-                     UPSTREAM_REFUSED_RELEASES, UPSTREAM_REWARD_NAMES, UPSTREAM_ROLLOUT_VALUES, UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP,
-                     UPSTREAM_TRAINER_FILES, UPSTREAM_UNSUPPORTED_FILES)
+from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_FAMILY_PARAMETERS, UPSTREAM_OWN_STEP_RELEASES,
+                     UPSTREAM_PREPARE_FILES, UPSTREAM_RELEASES, UPSTREAM_REWARD_NAMES, UPSTREAM_ROLLOUT_VALUES,
+                     UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP, UPSTREAM_TRAINER_FILES)
 from .tokenhash import function_source, hash_tokens, source_tokens, token_hash, token_hashes
 
 DOCS_PAGE = "docs/upstream_adapter.md"
@@ -32,20 +32,22 @@ class UpstreamUnsupported(SeamError):
 
 
 class UpstreamSourceChanged(UserWarning):
-    """train_one_step, which the adapter restates, is no release the adapter knows."""
+    """What the adapter relies on changed, and it runs anyway (--jagg_allow_upstream_changes)."""
 
 
 @dataclass(frozen=True)
 class Trainer:
-    """What the checks found: the family, the known release (None: an unknown source), and what the
-    restated step takes from upstream's own train_one_step (the reward files, in its order, and the
-    print labels)."""
+    """What the checks found: the family (None: none the restated step is written for), the known
+    release (None: an unknown source), what the restated step takes from upstream's own train_one_step
+    (the reward files, in its order, and the print labels), and `unknown`: why the restated step does
+    not run it (None where it is a known release)."""
     family: str
     file: str
     release: object
     reward_files: tuple
     reward_label: str
     gathered_labels: tuple
+    unknown: str = None
 
     def release_text(self):
         """The known release's files and commits, this file's only where the release lists several
@@ -58,8 +60,8 @@ class Trainer:
     def describe(self):
         known = self.release_text()
         known = f"train_one_step of {known}" if known else "train_one_step of no known release"
-        files = ", ".join(self.reward_files)
-        return (f"{os.path.basename(self.file)}: family {self.family}, {known}, "
+        files = ", ".join(self.reward_files) or "none named"
+        return (f"{os.path.basename(self.file)}: family {self.family or 'unknown'}, {known}, "
                 f"reward file{'s' if len(self.reward_files) > 1 else ''} {files}")
 
 
@@ -71,44 +73,31 @@ def _file(module):
     return getattr(module, "__file__", None) or module.__name__
 
 
-def refuse_unsupported_file(path):
-    """UpstreamUnsupported for a file the adapter cannot run, decided from the file, before it is
-    imported (its own imports, absl or wandb, would fail first): upstream's other trainers by their
-    name, and any file whose syntax tree binds no top-level train_one_step (what the adapter replaces)."""
-    _refuse_by_name(path)
+def file_kind(path):
+    """How the adapter runs the file, decided from the file before it is imported (its own imports,
+    absl or wandb, would fail first): "train_one_step" (it replaces or wraps that function),
+    "prepare" (upstream's trainers whose loop is inline in main(): the model accelerate prepares runs
+    behind the deferred proxy); any other file is refused in one line (UpstreamUnsupported)."""
+    if os.path.basename(path) in UPSTREAM_PREPARE_FILES:
+        return "prepare"
     try:
         with open(path) as f:
             tree = ast.parse(f.read(), path)
     except (OSError, SyntaxError, ValueError):
-        return   # missing or not Python: the loader says which
+        return "train_one_step"   # missing or not Python: the loader says which
     if "train_one_step" not in _top_level_names(tree):
         raise UpstreamUnsupported(f"{path} has no function train_one_step, which jagg_patch.upstream replaces: "
-                                  f"is it an upstream DanceGRPO trainer? Supported: {SUPPORTED}")
-    definition = next((node for node in tree.body if isinstance(node, ast.FunctionDef)
-                       and node.name == "train_one_step"), None)
-    if definition is not None:
-        lines = open(path).read().splitlines(keepends=True)
-        source = "".join(lines[definition.lineno - 1:definition.end_lineno])
-        hashes = {hash_tokens(source_tokens(source)), hash_tokens(source_tokens(source, join_fstrings=False))}
-        arguments = definition.args
-        count = sum(map(len, (arguments.posonlyargs, arguments.args, arguments.kwonlyargs)))
-        _refuse_release(path, count + (arguments.vararg is not None) + (arguments.kwarg is not None), hashes)
+                                  f"is it an upstream DanceGRPO trainer? Supported: {SUPPORTED}, and "
+                                  f"{', '.join(UPSTREAM_PREPARE_FILES)} (its model prepared by accelerate)")
+    return "train_one_step"
 
 
-def _refuse_release(path, parameters, hashes):
-    """UpstreamUnsupported for a release of a supported file that is another trainer (by the token
-    hash of its train_one_step, or by file name and parameter count: jagg_patch.seams.UPSTREAM_REFUSED_RELEASES)."""
+def _own_step_release(path, parameters, hashes):
+    """The release of UPSTREAM_OWN_STEP_RELEASES this train_one_step is (by token hash, or by file name
+    and parameter count), or None."""
     name = os.path.basename(path)
-    for release in UPSTREAM_REFUSED_RELEASES:
-        if release.token_hash in hashes or (name == release.file and parameters == release.parameters):
-            raise UpstreamUnsupported(f"{name} is {release.reason}")
-
-
-def _refuse_by_name(path):
-    name = os.path.basename(path)
-    if name in UPSTREAM_UNSUPPORTED_FILES:
-        raise UpstreamUnsupported(f"{name} is {UPSTREAM_UNSUPPORTED_FILES[name]}: jagg_patch.upstream does not "
-                                  f"run it; it runs {SUPPORTED}")
+    return next((r for r in UPSTREAM_OWN_STEP_RELEASES
+                 if r.token_hash in hashes or (name == r.file and parameters == r.parameters)), None)
 
 
 def _top_level_names(tree):
@@ -125,9 +114,15 @@ def _top_level_names(tree):
 
 
 def family_of(module):
-    """The trainer family, told by train_one_step's parameters; upstream's other trainers and files
-    without a matching train_one_step are refused naming the supported ones."""
-    _refuse_by_name(_file(module))
+    """The trainer family told by train_one_step's parameters, or None where the restated step is
+    written for none (family_and_reason says why); a file without train_one_step is refused naming the
+    supported ones."""
+    return family_and_reason(module)[0]
+
+
+def family_and_reason(module):
+    """(the family, None) or (None, why the restated step is written for no family of it: a release of
+    UPSTREAM_OWN_STEP_RELEASES, or parameters of none)."""
     fn = getattr(module, "train_one_step", None)
     if not callable(fn):
         raise UpstreamUnsupported(f"{_file(module)} has no function train_one_step, which jagg_patch.upstream "
@@ -136,13 +131,14 @@ def family_of(module):
         hashes = set(token_hashes(fn))
     except (OSError, TypeError):   # no readable source: told by name and parameters alone
         hashes = set()
-    _refuse_release(_file(module), len(param_names(fn)), hashes)
+    own = _own_step_release(_file(module), len(param_names(fn)), hashes)
+    if own is not None:
+        return None, own.reason
     params = set(param_names(fn))
     for family, marks in UPSTREAM_FAMILY_PARAMETERS:
         if params.issuperset(marks):
-            return family
-    raise UpstreamUnsupported(f"{_file(module)}: train_one_step{param_names(fn)} matches none of upstream's "
-                              f"trainers that jagg_patch.upstream runs ({SUPPORTED})")
+            return family, None
+    return None, f"a train_one_step{param_names(fn)} of none of the trainers the adapter restates ({SUPPORTED})"
 
 
 def _difference(found, expected):
@@ -259,10 +255,10 @@ def fingerprint(module):
     known release it is (None: unknown)."""
     family = family_of(module)
     fn = module.train_one_step
-    release = known_release(fn, family)
+    release = known_release(fn, family) if family else None
     return {"file": _file(module), "family": family,
             "parameters": {name: param_names(getattr(module, name))
-                           for name in ("train_one_step", *UPSTREAM_SEAMS[family])
+                           for name in ("train_one_step", *UPSTREAM_SEAMS.get(family, {}))
                            if callable(getattr(module, name, None))},
             "token_hash": token_hash(fn), "token_hashes": token_hashes(fn), "reward_files": reward_files_of(fn),
             "known_release": release.commits if release is not None else None}
@@ -300,11 +296,15 @@ def _labels(fn):
 
 
 def check_upstream(module, allow_changes=False, releases=None):
-    """Check a loaded upstream trainer module before the first step; returns its Trainer.
+    """Check a loaded upstream trainer module before the first step; returns its Trainer (its
+    `unknown` says why the restated step does not run it, where it does not).
 
     releases: the known releases (default jagg_patch.seams.UPSTREAM_RELEASES)."""
-    family = family_of(module)
-    fn = module.train_one_step
+    fn = module.train_one_step if callable(getattr(module, "train_one_step", None)) else None
+    family, no_family = family_and_reason(module)
+    reward_label, gathered_labels = _labels(fn)
+    if family is None:
+        return Trainer(None, _file(module), None, reward_files_of(fn), reward_label, gathered_labels, no_family)
     changes = signature_changes(module, family)
     if changes:
         line = (f"upstream changed what jagg_patch.upstream relies on in {_file(module)} ({family}, written "
@@ -314,13 +314,11 @@ def check_upstream(module, allow_changes=False, releases=None):
         warnings.warn(UpstreamSourceChanged(line + " (running anyway: --jagg_allow_upstream_changes)"), stacklevel=2)
     releases = UPSTREAM_RELEASES if releases is None else releases
     release = known_release(fn, family, releases)
+    unknown = None
     if release is None:
         nearest = nearest_release(fn, family, releases)
         near = f"{nearest.commits} (token hash {nearest.token_hash})" if nearest is not None else "none"
-        warnings.warn(UpstreamSourceChanged(
-            f"upstream's train_one_step in {_file(module)} is no release jagg_patch.upstream knows (token hash "
-            f"{' / '.join(token_hashes(fn))}; the nearest known is {family} {near}): re-read {DOCS_SECTION}, "
-            "and compare the rules it lists with this train_one_step"), stacklevel=2)
-    reward_label, gathered_labels = _labels(fn)
+        unknown = (f"no release jagg_patch.upstream knows (token hash {' / '.join(token_hashes(fn))}; the nearest "
+                   f"known is {family} {near}; see {DOCS_SECTION})")
     return Trainer(family, _file(module), release, reward_files_of(fn) or ("./reward.txt",), reward_label,
-                   gathered_labels)
+                   gathered_labels, unknown)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from jagg_patch.upstream import apply, revert
-from upstream_harness import (B, STANDIN, Standin, in_tmp, one_rank_group, recorded_rollout,  # noqa: F401
+from upstream_harness import (B, STANDIN, Standin, in_tmp, one_rank_group, standins_known, recorded_rollout,  # noqa: F401
                               reference_video_gradient, rel, video_advantages, video_jagg_step, video_rollout,
                               video_selection_and_draw)
 from upstream_releases import write_release
@@ -44,7 +44,7 @@ def test_exact_mode_is_the_stand_ins_own_step(key, flags, grouped, cache_dir, tm
     4 the top and the bottom overlap and two samples train twice."""
     standin = Standin(key, cache_dir, tmp_path, *flags, group=grouped)
     (loss, norm), grads, rng, weights = standin.step()
-    apply(standin.module, mode="exact")
+    apply(standin.module, mode="exact", restated=True)
     try:
         (loss2, norm2), grads2, rng2, weights2 = standin.step()
         stats = standin.module.train_one_step.last_stats

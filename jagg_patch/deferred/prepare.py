@@ -1,0 +1,90 @@
+"""The deferred proxy installed where a script prepares its model: accelerate's Accelerator.prepare.
+
+A script whose update loop is inline in its main() (DanceGRPO's SD trainer, Flow-GRPO's trainers) hands
+its trained model and its optimizer to `accelerator.prepare` and uses what comes back. While installed,
+prepare returns, in place of each model it prepared that has trainable parameters, a proxy of it
+(jagg_patch.deferred.wrap), attached to the optimizers prepared for its parameters (in the same call or
+another, before or after). The rollout may call the model inside (pipeline.unet, pipeline.transformer):
+the proxy's forward hook sees those calls. accelerate is imported when this is installed, not before.
+"""
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+from .proxy import wrap
+
+
+def _trainable(obj):
+    return isinstance(obj, torch.nn.Module) and any(p.requires_grad for p in obj.parameters())
+
+
+def _optimizer_params(obj):
+    """The parameters an optimizer (or a wrapper holding one as .optimizer) steps; None for anything else."""
+    inner = obj
+    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
+        inner = inner.optimizer
+    if not isinstance(obj, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
+        return None
+    return {id(p) for group in inner.param_groups for p in group["params"]}
+
+
+@dataclass
+class Installed:
+    """What install_at_prepare did: the proxies made so far; remove() puts prepare back."""
+    proxies: list = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
+    undo: object = None
+
+    def remove(self):
+        if self.undo is not None:
+            self.undo()
+            self.undo = None
+
+    def _pair(self):
+        """Attach every proxy to every optimizer of its parameters it is not attached to yet."""
+        for proxy in self.proxies:
+            params = {id(p) for p in proxy.wrapped.parameters() if p.requires_grad}
+            for optimizer, stepped in self.optimizers:
+                key = (id(proxy), id(optimizer))
+                if stepped & params and key not in self._attached:
+                    proxy.attach(optimizer)
+                    self._attached.add(key)
+
+    def __post_init__(self):
+        self._attached = set()
+
+
+def install_at_prepare(config, on_flush=None, **options):
+    """Patch accelerate.Accelerator.prepare (see the module); `options` go to wrap, `on_flush` (a
+    callback fn(proxy, stats)) to each proxy's on_flush. Returns an Installed."""
+    from accelerate import Accelerator
+    original = Accelerator.prepare
+    installed = Installed()
+
+    @functools.wraps(original)
+    def prepare(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        single = len(args) + len(kwargs) == 1
+        items = [result] if single else list(result)
+        for i, item in enumerate(items):
+            params = _optimizer_params(item)
+            if params is not None:
+                installed.optimizers.append((item, params))
+            elif _trainable(item):
+                proxy = wrap(item, config, **options)
+                if on_flush is not None:
+                    proxy.on_flush.append(on_flush)
+                installed.proxies.append(proxy)
+                items[i] = proxy
+        installed._pair()
+        return items[0] if single else tuple(items)
+
+    def undo():
+        Accelerator.prepare = original
+        for proxy in installed.proxies:
+            proxy.close()
+
+    Accelerator.prepare = prepare
+    installed.undo = undo
+    return installed

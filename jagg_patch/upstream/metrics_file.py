@@ -1,0 +1,63 @@
+"""<output_dir>/jagg_metrics.jsonl: the adapter's one line per step (the restated step's, and the
+file's own step's when it runs as it is), written on rank 0; a full disk stops every rank alike."""
+import json
+import os
+
+from dancegrpo.errors import DiskFullError, is_disk_full
+from dancegrpo.utils.communications import all_reduce_max
+from dancegrpo.utils.launch import launch_rank
+from dancegrpo.utils.metrics import append_line, drop_torn_tail
+
+METRICS_FILE = "jagg_metrics.jsonl"
+
+
+def _write_metrics_line(output_dir, record, first):
+    """One line appended (lines of other runs in the folder are kept, told apart by run_id), a torn
+    line left by an earlier run dropped first. Returns the OSError of a full disk (the line then not
+    written at all), else None."""
+    if not output_dir or launch_rank() != 0:
+        return None
+    path = os.path.join(output_dir, METRICS_FILE)
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        if first:
+            drop_torn_tail(path)
+        append_line(path, json.dumps(record))
+    except OSError as e:
+        if not is_disk_full(e):
+            raise
+        return e
+    return None
+
+
+def _stop_if_disk_full(error, output_dir, step, device):
+    """Every rank agrees whether rank 0 found the disk full (so none waits in a collective for a rank
+    that stopped), then all stop with DiskFullError (exit 3)."""
+    if not all_reduce_max(float(error is not None), device):
+        return
+    why = getattr(error, "strerror", None) or "No space left on device"
+    raise DiskFullError(f"no space left to write step {step}'s line of {METRICS_FILE} in {output_dir!r} "
+                        f"({why}); the file keeps the steps before it, nothing half-written; upstream's "
+                        "checkpoints written so far are untouched. Free space, then start the run again")
+
+
+def write_step_line(args, record, step, device):
+    """Step `step`'s record into args.output_dir's jagg_metrics.jsonl (none without an output_dir)."""
+    output_dir = getattr(args, "output_dir", None)
+    _stop_if_disk_full(_write_metrics_line(output_dir, record, first=step == 1), output_dir, step, device)
+
+
+def flush_lines(file_name, config):
+    """A proxy's on_flush callback for a trainer without train_one_step (its loop inline in main()):
+    each flush's counts, summed over the ranks, as one line of ./jagg_metrics.jsonl in the working
+    folder (where upstream writes its ./reward.txt), on rank 0."""
+    import uuid
+    from ..trainer_deferred import step_record
+    run_id, count = uuid.uuid4().hex[:12], [0]
+
+    def write(proxy, stats):
+        count[0] += 1
+        record = {"flush": count[0], "run_id": run_id, "file": file_name, "update": "deferred", **config.as_dict(),
+                  **step_record([stats], proxy.device)}
+        _stop_if_disk_full(_write_metrics_line(".", record, first=count[0] == 1), ".", count[0], proxy.device)
+    return write
