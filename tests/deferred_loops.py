@@ -73,6 +73,7 @@ class Setting:
     kl_beta: float = 0.0
     seed: int = 0
     shared_noise: bool = False   # one initial latent for every sample (DanceGRPO SD)
+    reevaluate: bool = False     # the Flux loop recomputes every rollout row's output without grad first
 
     @property
     def samples(self):
@@ -155,6 +156,11 @@ def flux_loop(model, optimizer, s, log, generator, clip="torch"):
         log_probs.append(torch.cat(lp))
     latents, log_probs = torch.stack(latents), torch.stack(log_probs) - 0.05 * torch.randn(
         s.samples, s.steps, generator=generator, dtype=DT)
+    if s.reevaluate:   # e.g. old log-probs recomputed: the rollout's rows again, under no_grad, before the update
+        with torch.no_grad():
+            for k in range(s.steps):
+                model(hidden_states=latents[:, k], timestep=sigmas[k].expand(s.samples), encoder_hidden_states=cond,
+                      return_dict=False)
     adv = advantages_of(latents[:, -1], s)
     perms = torch.stack([torch.randperm(s.steps - 1, generator=generator) for _ in range(s.samples)])
     model.train()
@@ -325,42 +331,49 @@ def alpha_of(t, rule):
 
 
 def reference_gradients(model, loop, s, config, seed, identical=lambda label: False):
-    """The JAGG gradient at each optimizer step of `loop`, from its labels: each (sample, half)'s
-    trained rows in step order cut into groups of W, the first round_half_up(n * jagg_frac) folded
-    onto their endpoints (mode endpoints: each endpoint its own signal, weighted W/2), every other row
-    (and every row `identical(label)` says cannot be told from another) backpropagated with its own
-    signal."""
+    """The JAGG gradient at each optimizer step of `loop` (jagg_reference), from the labels the loop
+    gives its rows."""
     recorder, log = SignalRecorder(model), Log()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     steps = []
     optimizer.register_step_pre_hook(lambda *a: steps.append(len(recorder.calls)))
     LOOPS[loop](recorder, optimizer, s, log, torch.Generator().manual_seed(seed), clip="none")
+    return jagg_reference(model, recorder.calls, log.calls, steps, config, identical, velocity_row)
+
+
+def jagg_reference(model, calls, labels, steps, config, identical, row_args):
+    """The JAGG gradient at each optimizer step: calls [(args, kwargs, leaf)] as SignalRecorder keeps
+    them, labels [[(sample, half, step) of each row] per call], steps the call counts at the optimizer
+    steps, row_args(args, kwargs, r) the arguments of a call on row r alone. Each (sample, half)'s
+    trained rows in step order cut into groups of W, the first round_half_up(n * jagg_frac) folded onto
+    their endpoints (mode endpoints: each endpoint its own signal, weighted W/2), every other row (and
+    every row `identical(label)` says cannot be told from another) backpropagated with its own signal."""
     params = [p for p in model.parameters() if p.requires_grad]
     grads, first = [], 0
     for last in steps:
         rows = {}
-        for (args, kwargs, leaf), labels in zip(recorder.calls[first:last], log.calls[first:last]):
-            for r, label in enumerate(labels):
-                rows.setdefault(label[:2], []).append((label, args, kwargs, leaf, r))
+        for (args, kwargs, leaf), call_labels in zip(calls[first:last], labels[first:last]):
+            for r, label in enumerate(call_labels):
+                rows.setdefault(label[:2], []).append((label, row_args(args, kwargs, r), leaf, r))
         surrogate = 0.0
         for members in rows.values():
             plain = [m for m in members if not identical(m[0])]
-            surrogate = surrogate + sum(_row_term(model, m, m[3].grad[m[4]]) for m in members if identical(m[0]))
+            surrogate = surrogate + sum(_row_term(model, m, m[2].grad[m[3]]) for m in members if identical(m[0]))
             plain.sort(key=lambda m: m[0][2])
             n_groups = math.ceil(len(plain) / config.window)
             n_jagg = math.floor(n_groups * config.jagg_frac + 0.5)
             for g in range(n_groups):
                 group = plain[g * config.window:(g + 1) * config.window]
-                signals = [m[3].grad[m[4]] for m in group]
+                signals = [m[2].grad[m[3]] for m in group]
                 if config.mode == "exact" or g >= n_jagg or len(group) < 2:
                     surrogate = surrogate + sum(_row_term(model, m, sig) for m, sig in zip(group, signals))
                     continue
-                if config.mode == "endpoints":   # the ablation: each endpoint its own signal, weight W/2
+                if config.mode == "endpoints":
                     half = len(group) / 2
                     surrogate = surrogate + half * (_row_term(model, group[0], signals[0])
                                                     + _row_term(model, group[-1], signals[-1]))
                     continue
-                t = [_t_of(m) for m in group]
+                t = [float(torch.as_tensor(m[1]["timestep"]).reshape(-1)[0]) for m in group]
                 alpha = alpha_of(t, config.alpha)
                 base = sum((1 - a) * sig for a, sig in zip(alpha, signals))
                 corr = sum(a * sig for a, sig in zip(alpha, signals))
@@ -372,21 +385,16 @@ def reference_gradients(model, loop, s, config, seed, identical=lambda label: Fa
     return grads
 
 
-def _call_args(m):
-    _, args, kwargs, _, r = m
-    names = ("hidden_states", "timestep", "encoder_hidden_states")
-    bound = dict(zip(names, args), **kwargs)
+def velocity_row(args, kwargs, r):
+    """Velocity's arguments for row r of a call, by name (a 0-d timestep for every row)."""
+    bound = dict(zip(("hidden_states", "timestep", "encoder_hidden_states"), args), **kwargs)
     t = torch.as_tensor(bound["timestep"]).reshape(-1)
     return {"hidden_states": bound["hidden_states"][r:r + 1], "timestep": t[r if t.numel() > 1 else 0].reshape(1),
             "encoder_hidden_states": bound["encoder_hidden_states"][r:r + 1]}
 
 
-def _t_of(m):
-    return float(_call_args(m)["timestep"][0])
-
-
 def _row_term(model, m, signal):
-    out = model(**_call_args(m), return_dict=False)[0]
+    out = model(**m[1], return_dict=False)[0]
     return (out[0] * signal).sum()
 
 

@@ -15,6 +15,8 @@ whose rows cannot be cut apart (a container of tensors) is replayed whole.
 """
 import dataclasses
 import inspect
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -169,16 +171,33 @@ def _weights(numel, device):
     return _WEIGHTS[key]
 
 
-def row_fingerprints(tensor):
-    """[rows, 3] float64 on the tensor's device: per row the sum, the sum of squares and a fixed
-    random projection of its values in float64. Each row is copied to fresh memory first, so the
-    reductions run alike whatever batch, offset or dtype the row came in: equal values give equal
-    fingerprints, bit for bit."""
+def _fingerprints(tensor):
     out = []
     for r in range(tensor.shape[0]):
         x = tensor[r].detach().reshape(-1).to(torch.float64, copy=True)
         out.append(torch.stack([x.sum(), (x * x).sum(), (x * _weights(x.numel(), x.device)).sum()]))
     return torch.stack(out)
+
+
+_KNOWN = OrderedDict()   # (id, version, shape, dtype) -> (a weak reference to the tensor, its fingerprints)
+
+
+def row_fingerprints(tensor):
+    """[rows, 3] float64 on the tensor's device: per row the sum, the sum of squares and a fixed
+    random projection of its values in float64. Each row is copied to fresh memory first, so the
+    reductions run alike whatever batch, offset or dtype the row came in: equal values give equal
+    fingerprints, bit for bit. A tensor passed again unchanged (a micro-batch's conditioning, in
+    each of its calls) is not read again: the same object, at the same version."""
+    key = (id(tensor), tensor._version, tuple(tensor.shape), tensor.dtype)
+    known = _KNOWN.get(key)
+    if known is not None and known[0]() is tensor:
+        _KNOWN.move_to_end(key)
+        return known[1]
+    prints = _fingerprints(tensor)
+    _KNOWN[key] = (weakref.ref(tensor), prints)
+    if len(_KNOWN) > 256:
+        _KNOWN.popitem(last=False)
+    return prints
 
 
 def _autocast_state():

@@ -24,7 +24,10 @@ from .record import RolloutRecord, reuse_context
 from .replay import Replayer, guard, called_as, make_chunks
 from .stats import FlushStats
 
-_OWN = ("wrapped", "jagg_config", "stats", "on_flush")   # every other attribute is the model's (its .config, .module)
+_OWN = ("wrapped", "jagg_config", "stats", "on_flush")
+# Calls any proxy is making of its model right now: a forward hook of another proxy of the same model
+# leaves them to the proxy that makes them.
+_CALLING = [0]   # every other attribute is the model's (its .config, .module)
 
 
 def check_config(config):
@@ -66,7 +69,7 @@ class DeferredModel:
         self._record = RolloutRecord(keep_outputs=config.reuse != "off" and config.mode != "exact")
         self._pending, self._pending_keys, self._forms = [], set(), {}
         self._current, self._last_call, self._flushing = FlushStats(), None, False
-        self._optimizers, self._versions, self._quiet = [], None, False
+        self._optimizers, self._versions = [], None
         self._clips = patch_model_clip(model)
         self._observer = inner_model(signature_of or model).register_forward_hook(self._observe, with_kwargs=True)
         register(self)
@@ -98,8 +101,8 @@ class DeferredModel:
         return output
 
     def _observe(self, module, args, kwargs, output):
-        """A call of the model inside made past the proxy (the forward hook): recorded when without grad."""
-        if not self._quiet and not torch.is_grad_enabled():
+        """A call of the model inside made past every proxy (the forward hook): recorded when without grad."""
+        if not _CALLING[0] and not torch.is_grad_enabled():
             self._record_call(args, kwargs, output)
 
     def _record_call(self, args, kwargs, output):
@@ -114,28 +117,19 @@ class DeferredModel:
 
     @contextlib.contextmanager
     def _own_call(self):
-        """The proxy's own calls of the model: not seen again by the forward hook."""
-        quiet, self._quiet = self._quiet, True
+        """The proxy's own calls of the model: not seen again by the forward hooks."""
+        _CALLING[0] += 1
         try:
             yield
         finally:
-            self._quiet = quiet
+            _CALLING[0] -= 1
 
     def _defer(self, call, args, kwargs):
         self._record.in_update = True
         if not self._pending:
             self._versions = self._parameter_versions()
         call.placements = [self._record.place(key) for key in call.keys]
-        tensor = self._reused(call)
-        if tensor is not None:
-            rebuild = self._forms[form_key(call)]
-            self._current.forwards_reused += call.rows
-        else:
-            with torch.no_grad(), self._own_call():
-                output = self._replayer.target(*args, **kwargs)
-            tensor, rebuild = split_output(output)
-            self._forms.setdefault(form_key(call), output_form(output))
-            self._current.forwards_nograd += call.rows
+        tensor, rebuild = self._call_time_output(call, args, kwargs)
         call.output = tensor.detach()
         call.leaf = call.output.detach().requires_grad_(True)
         self._pending.append(call)
@@ -146,20 +140,46 @@ class DeferredModel:
         # The loop gets a copy: it may change its output in place, the call-time output stays.
         return rebuild(call.leaf.clone())
 
-    def _reused(self, call):
-        """The rollout's own outputs for every row of the call, where they are this model's now (no
-        optimizer step since, or reuse 'always'), ran under the same autocast and dtypes, and the
-        output's form is known; else None (the call runs its forward)."""
+    def _call_time_output(self, call, args, kwargs):
+        """(the call's output tensor without a graph, rebuild): the rollout's own outputs for the rows
+        where they stand for the model's (self._reusable), a forward without grad for the others (on
+        those rows alone where the call's arguments can be cut by row, else on the whole call)."""
+        reused = self._reusable(call)
+        form = self._forms.get(form_key(call))
+        whole = all(r is not None for r in reused)
+        if self._replayer.agreed(whole and form is not None):
+            self._current.forwards_reused += call.rows
+            return torch.stack(reused), form
+        missing = [r for r, v in enumerate(reused) if v is None]
+        if form is None or not call.splittable or len(missing) in (0, call.rows):
+            missing = list(range(call.rows))
+            forward_args, forward_kwargs = args, kwargs
+        else:
+            forward_args, forward_kwargs = call.bound(call.rows_arguments(missing))
+        with torch.no_grad(), self._own_call():
+            output = self._replayer.target(*forward_args, **forward_kwargs)
+        computed, rebuild = split_output(output)
+        if len(missing) == call.rows:
+            self._forms.setdefault(form_key(call), output_form(output))
+            self._current.forwards_nograd += call.rows
+            return computed, rebuild
+        tensor = torch.empty((call.rows, *computed.shape[1:]), dtype=computed.dtype, device=computed.device)
+        tensor[missing] = computed
+        kept = [r for r in range(call.rows) if reused[r] is not None]
+        tensor[kept] = torch.stack([reused[r] for r in kept]).to(computed.dtype)
+        self._current.forwards_nograd += len(missing)
+        self._current.forwards_reused += len(kept)
+        return tensor, form
+
+    def _reusable(self, call):
+        """Per row, the rollout's own output where it is the model's now (no optimizer step since, or
+        reuse 'always') and ran under the same autocast and dtypes; None for the others."""
         config, record = self.jagg_config, self._record
-        entries = [entry for entry, _ in call.placements]
-        usable = (record.keep_outputs and (not record.stale or config.reuse == "always")
-                  and (self._optimizers or config.reuse == "always")
-                  and self._forms.get(form_key(call)) is not None
-                  and all(e is not None and e.output is not None and e.context == reuse_context(call, r)
-                          for r, e in enumerate(entries)))
-        if not self._replayer.agreed(usable):
-            return None
-        return torch.stack([e.output for e in entries])
+        if not (record.keep_outputs and (not record.stale or config.reuse == "always")
+                and (self._optimizers or config.reuse == "always")):
+            return [None] * call.rows
+        return [e.output if e is not None and e.output is not None and e.context == reuse_context(call, r) else None
+                for r, (e, _) in enumerate(call.placements)]
 
     # ------------------------------------------------------------ the optimizer
     def attach(self, optimizer):
@@ -169,7 +189,13 @@ class DeferredModel:
         return self
 
     def note_step(self):
+        """An optimizer step: the rollout's outputs are not the model's any more."""
         self._record.stale = True
+
+    def note_fresh_rollout(self):
+        """The rollout's outputs are the model's again (a benchmark running the update again on the same
+        rollout and weights)."""
+        self._record.stale = False
 
     def drop_pending(self):
         """What the loop's zero_grad would erase of vanilla's gradient: the rows not yet flushed."""

@@ -11,9 +11,12 @@ samples that start from one latent, a group sharing its prompt) leave it to be t
 does a call that could continue more than one chain (its chains end there and it starts its own,
 so interleaved rollouts are never linked across each other).
 
-Calls without grad during the update whose rows are all known (a KL reference pass, a
-re-evaluation) are not a rollout; the first call with a new row after the update has begun starts
-the next rollout and drops the old record.
+A call whose rows are all known already (a re-evaluation of the rollout's rows: old log-probs
+recomputed, a reference pass) only joins the record when its chain goes on to rows not known (a
+second batch that starts from the first batch's latent); a chain of known rows alone is left out.
+Calls without grad during the update whose rows are all known (a KL reference pass) are not a
+rollout; the first call with a new row after the update has begun starts the next rollout and drops
+the old record.
 """
 from dataclasses import dataclass, field
 
@@ -46,6 +49,8 @@ class Chain:
     direction: int = 0   # +1 / -1 once two calls set it
     closed: bool = False
     length: int = 0      # calls so far: the next call's position
+    confirmed: bool = False   # a call of it held a row not known before: its entries are in the index
+    tentative: list = field(default_factory=list)   # (key, Entry) of its calls while it is not confirmed
 
     def continued_by(self, call):
         if self.closed or len(self.trajectories) != call.rows:
@@ -94,12 +99,21 @@ class RolloutRecord:
                 return False
             self.clear()
             self.in_update = False
+        new = any(key not in self.index for key in call.keys)
         chain = self._chain_for(call)
         position = chain.length
+        entries = []
         for r, key in enumerate(call.keys):
             kept = output[r] if self.keep_outputs and output is not None else None
-            self.index.setdefault(key, []).append(Entry(chain.trajectories[r], position, float(call.t[r]), kept,
-                                                        reuse_context(call, r) if kept is not None else None))
+            entries.append((key, Entry(chain.trajectories[r], position, float(call.t[r]), kept,
+                                       reuse_context(call, r) if kept is not None else None)))
+        if new or chain.confirmed:
+            chain.confirmed = True
+            for key, entry in chain.tentative + entries:
+                self.index.setdefault(key, []).append(entry)
+            chain.tentative = []
+        else:
+            chain.tentative += entries
         chain.last_t = call.t.tolist()
         chain.last_latents = [_latent(key) for key in call.keys]
         chain.length = position + 1

@@ -27,7 +27,7 @@ def test_ddp_every_rank_one_synced_backward_per_flush(dist_result):
 def test_fsdp_deferred_equals_the_single_process_restated_update(dist_result):
     ranks = dist_result["ranks"]
     for rank in ranks:
-        assert rank["rel_err"] < 1e-5, rank
+        assert rank["rel_err"] < 1e-12 and rank["dtype"] == "torch.float64", rank
         assert rank["exact_rows"] == 0
     assert ranks[0]["chunks"] == ranks[1]["chunks"] and ranks[1]["padding_rows"] > 0 == ranks[0]["padding_rows"]
     assert [r["jagg_groups"] for r in ranks] == [r["samples"] for r in ranks]   # one group per sample (W 4, 4 trained)

@@ -101,6 +101,16 @@ def test_identical_rows_are_trained_exactly():
     assert relative_error(got[0], reference_gradients(Velocity(), "sd", setting, config, 0)[0]) > 1e-3
 
 
+def test_a_re_evaluation_of_the_rollouts_rows_is_not_a_rollout():
+    """The rollout's rows evaluated again without grad before the update (old log-probs recomputed): a
+    chain of known rows alone is left out of the record, so no row becomes ambiguous."""
+    setting = Setting(reevaluate=True)
+    config = JaggConfig(window=4, jagg_frac=1.0)
+    got, proxy = run("flux", setting, config)
+    assert_equal_steps(got, reference_gradients(Velocity(), "flux", setting, config, 0))
+    assert proxy.stats[0].exact_rows == 0
+
+
 def test_kl_reference_calls_are_not_a_rollout():
     """Flow-GRPO's KL pass: disable_adapter() calls under no_grad between update calls, on rows the
     update holds: passed through, not recorded, and the gradient (KL term included) the reference's."""
@@ -197,3 +207,36 @@ def test_zero_grad_drops_what_is_pending(loop):
     optimizer.zero_grad()
     assert proxy.flush() is None and all(p.grad is None for p in model.parameters())
     proxy.close()
+
+
+def test_a_trajectory_trained_twice_in_one_flush_trains_exactly():
+    """A sample whose steps come twice in one accumulation (HunyuanVideo's best-of-n overlap): its rows
+    cannot be cut into one sample's groups, so each trains with its own forward and backward; the
+    gradient is the loop's own."""
+    g = torch.Generator().manual_seed(0)
+    model = Velocity()
+    text = torch.randn(1, 2, 3, generator=g, dtype=torch.float64)
+    t = torch.linspace(0.9, 0.2, 6, dtype=torch.float64)
+    z = [torch.randn(1, 5, 4, generator=g, dtype=torch.float64)]
+    for k in range(5):
+        z.append(z[-1] + 0.1 * torch.randn(1, 5, 4, generator=g, dtype=torch.float64))
+
+    def update(net):
+        with torch.no_grad():   # the rollout
+            for k in range(5):
+                net(hidden_states=z[k], timestep=t[k:k + 1], encoder_hidden_states=text)
+        for ks in ([0, 2, 3, 4], [1, 2, 4]):   # trained twice: positions 2 and 4 in both
+            for k in ks:
+                out = net(hidden_states=z[k], timestep=t[k:k + 1], encoder_hidden_states=text).sample
+                (out * z[k + 1]).sum().backward()
+
+    proxy = deferred.wrap(model, JaggConfig(window=3, jagg_frac=1.0))
+    update(proxy)
+    proxy.flush()
+    proxy.close()
+    got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    update(model)
+    plain = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    assert relative_error(got, plain) < 1e-13
+    assert proxy.stats[0].rows_exact == {"trained twice": 7}

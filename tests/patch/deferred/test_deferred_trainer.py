@@ -96,12 +96,15 @@ def test_launcher_runs_deferred_as_the_restated_update(make_args, cache_dir, tmp
 
 def test_shared_initial_noise_trains_the_first_step_exactly(make_args):
     """--init_same_noise (the presets' default): a group's first-step rows are the same row, so they
-    are trained exactly (counted) and the rest of each sample is grouped as usual."""
+    are trained exactly (counted) and the rest of each sample is grouped as usual; the other rows of
+    their calls still take the rollout's outputs (only the identical rows are forwarded)."""
     import dancegrpo.train_grpo_flux as flux
     apply_deferred(JaggConfig(window=4, jagg_frac=1.0), trainer_module=flux)
     record, _, _ = captured_step(make_args)
-    assert record["deferred_exact/identical_rows"] > 0
-    assert record["deferred_exact_rows"] == record["deferred_exact/identical_rows"]
+    identical = record["deferred_exact/identical_rows"]
+    assert identical > 0 and record["deferred_exact_rows"] == identical
+    assert record["deferred_forwards_nograd"] == identical   # one optimizer step: every call on-policy
+    assert record["deferred_forwards_reused"] == record["deferred_rows_deferred"] - identical
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -115,3 +118,18 @@ def test_flags_deferred_cannot_run_with_are_one_line(cache_dir, tmp_path, capsys
                     "--output_dir", tmp_path, "--jagg_deferred", *flags) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_bf16_through_the_trainer(make_args):
+    """--mixed_precision bf16 (a GPU's dtype path under autocast): the deferred step's gradient is the
+    restated one's up to bf16 rounding, and every replay is within the guard's bound."""
+    import dancegrpo.train_grpo_flux as flux
+    from jagg_patch import apply_jagg
+    flags = ("--no-init_same_noise", "--mixed_precision", "bf16")
+    apply_jagg(JaggConfig(window=4, jagg_frac=1.0, backward="split"), trainer_module=flux)
+    _, restated, _ = captured_step(make_args, *flags)
+    apply_deferred(JaggConfig(window=4, jagg_frac=1.0), trainer_module=flux)
+    record, grads, _ = captured_step(make_args, *flags)
+    assert record["deferred_max_replay_diff"] <= record["deferred_replay_bound"]
+    assert record["deferred_replay_bound"] > 1e-3   # bf16's bound, not float32's
+    assert relative_error(grads[0], restated[0]) < 1e-2
