@@ -292,3 +292,52 @@ def video_run_objects(kind, args, dtype):
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     os.makedirs(args.output_dir, exist_ok=True)
     return torch.device("cpu"), transformer, optimizer, lr_scheduler, video_prompts(args.train_batch_size, dtype)
+
+
+# ---------------------------------------------------------------- the Stable Diffusion trainer (train_grpo_sd.py)
+
+SD_TEXT_DIM, SD_TEXT_TOKENS = 16, 4
+
+
+def tiny_sd_pipeline(dtype=torch.float64, clip_sample=False, seed=0):
+    """What StableDiffusionPipeline.from_pretrained("./data/stable-diffusion-v1-4") gives upstream, tiny: a
+    UNet2DConditionModel (4 latent channels, 8 x 8), a VAE, a PNDM scheduler whose config says clip_sample;
+    no text encoder (the prompts' embeddings: sd_prompt_embeddings)."""
+    from diffusers import AutoencoderKL, PNDMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    default = torch.get_default_dtype()
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        torch.set_default_dtype(dtype)
+        try:
+            unet = UNet2DConditionModel(sample_size=8, in_channels=4, out_channels=4, layers_per_block=1,
+                                        block_out_channels=(8, 16), norm_num_groups=4,
+                                        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+                                        cross_attention_dim=SD_TEXT_DIM, attention_head_dim=2)
+            vae = AutoencoderKL(in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 2,
+                                up_block_types=("UpDecoderBlock2D",) * 2, block_out_channels=(4, 8),
+                                layers_per_block=1, latent_channels=4, norm_num_groups=4)
+        finally:
+            torch.set_default_dtype(default)
+    scheduler = PNDMScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                              num_train_timesteps=1000, skip_prk_steps=True, steps_offset=1)
+    pipeline = StableDiffusionPipeline(vae=vae, text_encoder=None, tokenizer=None, unet=unet, scheduler=scheduler,
+                                       safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    # the constructor turns clip_sample off in the scheduler's config: set it as the model folder says
+    pipeline.scheduler.register_to_config(clip_sample=clip_sample)
+    return pipeline
+
+
+def sd_prompt_embeddings(prompts, dtype=torch.float64):
+    """The frozen text encoder's output for each prompt: fixed embeddings drawn from the prompt's text
+    (the empty prompt too), [len(prompts), tokens, dim]."""
+    out = []
+    for prompt in prompts:
+        g = torch.Generator().manual_seed(sum(map(ord, prompt)) + 7)
+        out.append(torch.randn(SD_TEXT_TOKENS, SD_TEXT_DIM, generator=g, dtype=torch.float64))
+    return torch.stack(out).to(dtype)
+
+
+def sd_reward(images, prompts):
+    """A cheap deterministic reward of the decoded images (upstream: an aesthetic / HPS model)."""
+    return -(images.float() - 0.2).pow(2).mean(dim=(1, 2, 3))
