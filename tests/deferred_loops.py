@@ -185,32 +185,47 @@ def guided(out, g, rows):
     return uncond + g * (cond - uncond)
 
 
+def batched_rollout(model, s, generator, initial, velocity):
+    """Every sample's trajectory in batches of s.batch, under no_grad: initial(rows) the first latents,
+    velocity(z, k, start, rows) the model's (guided) output. Returns (latents [N, S+1, ...], log-probs
+    [N, S])."""
+    sigmas = s.sigmas()
+    model.eval()
+    latents, log_probs = [], []
+    for start in range(0, s.samples, s.batch):
+        rows = min(s.batch, s.samples - start)
+        z = initial(rows)
+        traj, lp = [z], []
+        with torch.no_grad():
+            for k in range(s.steps):
+                z, logp = gaussian_step(z, velocity(z, k, start, rows), float(sigmas[k]), float(sigmas[k + 1]),
+                                        s.eta, generator=generator)
+                traj.append(z)
+                lp.append(logp)
+        latents.append(torch.stack(traj, dim=1))
+        log_probs.append(torch.stack(lp, dim=1))
+    return torch.cat(latents), torch.cat(log_probs)
+
+
 def sd_loop(model, optimizer, s, log, generator, clip="torch"):
     """train_grpo_sd.py's shape: batches of `batch` samples, [uncond; cond] doubled calls with both halves
     kept in the loss, positional update calls reading .sample with a [B] timestep, rollout calls by keyword
     with a 0-d timestep, each sample's steps permuted, the loss a mean over the batch."""
     sigmas, (cond, negative) = s.sigmas(), s.embeddings()
     shared = torch.randn(1, s.tokens, s.channels, generator=generator, dtype=DT)
-    model.eval()
-    latents, log_probs = [], []
-    for start in range(0, s.samples, s.batch):
-        rows = min(s.batch, s.samples - start)
-        z = shared.expand(rows, -1, -1).clone() if s.shared_noise else torch.randn(
+
+    def initial(rows):
+        return shared.expand(rows, -1, -1).clone() if s.shared_noise else torch.randn(
             rows, s.tokens, s.channels, generator=generator, dtype=DT)
+
+    def velocity(z, k, start, rows):
         embeds = torch.cat([negative.expand(rows, -1, -1), cond[start:start + rows]]) if s.cfg \
             else cond[start:start + rows]
-        traj, lp = [z], []
-        with torch.no_grad():
-            for k in range(s.steps):
-                x = torch.cat([z, z]) if s.cfg else z
-                out = model(hidden_states=x, timestep=sigmas[k], encoder_hidden_states=embeds, return_dict=False)[0]
-                v = guided(out, s.guidance, rows) if s.cfg else out
-                z, logp = gaussian_step(z, v, float(sigmas[k]), float(sigmas[k + 1]), s.eta, generator=generator)
-                traj.append(z)
-                lp.append(logp)
-        latents.append(torch.stack(traj, dim=1))
-        log_probs.append(torch.stack(lp, dim=1))
-    latents, log_probs = torch.cat(latents), torch.cat(log_probs)
+        out = model(hidden_states=torch.cat([z, z]) if s.cfg else z, timestep=sigmas[k], encoder_hidden_states=embeds,
+                    return_dict=False)[0]
+        return guided(out, s.guidance, rows) if s.cfg else out
+
+    latents, log_probs = batched_rollout(model, s, generator, initial, velocity)
     adv = advantages_of(latents[:, -1], s)
     perms = torch.stack([torch.randperm(s.steps - 1, generator=generator) for _ in range(s.samples)])
     model.train()
@@ -245,24 +260,16 @@ def flowgrpo_loop(model, optimizer, s, log, generator, clip="torch"):
     """scripts/train_sd3.py's shape: every sample its own noise, doubled keyword calls, the FIRST `trained`
     steps in order, the uncond half detached, a KL term against disable_adapter() under no_grad."""
     sigmas, (cond, negative) = s.sigmas(), s.embeddings()
-    model.eval()
-    latents, log_probs = [], []
-    for start in range(0, s.samples, s.batch):
-        rows = min(s.batch, s.samples - start)
-        z = torch.randn(rows, s.tokens, s.channels, generator=generator, dtype=DT)
+
+    def velocity(z, k, start, rows):
         embeds = torch.cat([negative.expand(rows, -1, -1), cond[start:start + rows]])
-        traj, lp = [z], []
-        with torch.no_grad():
-            for k in range(s.steps):
-                out = model(hidden_states=torch.cat([z, z]), timestep=sigmas[k].expand(2 * rows),
-                            encoder_hidden_states=embeds, return_dict=False)[0]
-                z, logp = gaussian_step(z, guided(out, s.guidance, rows), float(sigmas[k]), float(sigmas[k + 1]),
-                                        s.eta, generator=generator)
-                traj.append(z)
-                lp.append(logp)
-        latents.append(torch.stack(traj, dim=1))
-        log_probs.append(torch.stack(lp, dim=1))
-    latents, log_probs = torch.cat(latents), torch.cat(log_probs)
+        out = model(hidden_states=torch.cat([z, z]), timestep=sigmas[k].expand(2 * rows), encoder_hidden_states=embeds,
+                    return_dict=False)[0]
+        return guided(out, s.guidance, rows)
+
+    latents, log_probs = batched_rollout(
+        model, s, generator, lambda rows: torch.randn(rows, s.tokens, s.channels, generator=generator, dtype=DT),
+        velocity)
     adv = advantages_of(latents[:, -1], s)
     order = torch.randperm(s.samples, generator=generator).tolist()
     model.train()

@@ -15,10 +15,18 @@ class BenchMode:
     backward: str = "joint"
     reuse: str = "off"
     auto: bool = False       # --jagg_frac auto, its monitor measuring in every timed run
+    deferred: bool = False   # vanilla's own update through jagg_patch.deferred's proxy
 
     @property
     def vanilla(self):
         return self.jagg_mode is None
+
+    def schedule(self, on_policy):
+        """The cost model's pass schedule of this mode for a sample (jagg_patch.tools.cost_model)."""
+        reuse = self.reuse != "off" and on_policy
+        if self.deferred:
+            return "deferred_reuse" if reuse else "deferred"
+        return "reuse" if reuse else "project"
 
 
 def _jagg_modes():
@@ -26,14 +34,16 @@ def _jagg_modes():
     for backward, suffix in (("joint", ""), ("split", "_split"), ("batched", "_batched")):
         for reuse, tail in (("off", ""), ("on_policy", "_reuse")):
             modes.append(BenchMode(f"jagg{suffix}{tail}", "jagg", backward, reuse))
-    modes += [BenchMode("exact", "exact"), BenchMode("endpoints", "endpoints")]
+    modes += [BenchMode("exact", "exact"), BenchMode("endpoints", "endpoints"),
+              BenchMode("deferred", "jagg", deferred=True), BenchMode("deferred_reuse", "jagg", reuse="on_policy",
+                                                                       deferred=True)]
     return modes
 
 
 _FIXED = _jagg_modes()
 # Every JAGG mode of the paper's method also runs routed by --jagg_frac auto, as "<name>_auto".
 MODES = {m.name: m for m in _FIXED + [BenchMode(f"{m.name}_auto", m.jagg_mode, m.backward, m.reuse, True)
-                                      for m in _FIXED if m.jagg_mode == "jagg"]}
+                                      for m in _FIXED if m.jagg_mode == "jagg" and not m.deferred]}
 DEFAULT_MODES = ("vanilla", "jagg", "jagg_split", "jagg_batched", "jagg_reuse", "jagg_split_reuse",
                  "jagg_batched_reuse", "exact", "endpoints")
 AUTO_SUFFIX = "_auto"
@@ -48,13 +58,21 @@ def parse_modes(text):
     return [MODES[name] for name in names]
 
 
+def mode_config(args, mode):
+    """The JaggConfig of a JAGG mode with the run's --jagg_* settings."""
+    return JaggConfig(window=args.jagg_window, jagg_frac="auto" if mode.auto else args.jagg_frac,
+                      mode=mode.jagg_mode, alpha=args.jagg_alpha, backward=mode.backward,
+                      grouping=args.jagg_grouping, reuse=mode.reuse, monitor_every=1 if mode.auto else 0,
+                      monitor_samples=args.jagg_monitor_samples, min_cos=args.jagg_min_cos)
+
+
 def make_update(args, mode):
-    """The JaggUpdate a JAGG mode runs with the run's --jagg_* settings."""
-    config = JaggConfig(window=args.jagg_window, jagg_frac="auto" if mode.auto else args.jagg_frac,
-                        mode=mode.jagg_mode, alpha=args.jagg_alpha, backward=mode.backward,
-                        grouping=args.jagg_grouping, reuse=mode.reuse, monitor_every=1 if mode.auto else 0,
-                        monitor_samples=args.jagg_monitor_samples, min_cos=args.jagg_min_cos)
-    return make_policy_update(config)
+    """The update a mode runs: vanilla's own for vanilla and the deferred modes (their proxy is the
+    bench's), else the JaggUpdate of its config."""
+    if mode.vanilla or mode.deferred:
+        from dancegrpo.algo.grpo import policy_update
+        return policy_update
+    return make_policy_update(mode_config(args, mode))
 
 
 def headline_mode(args, names, world_size):

@@ -104,7 +104,9 @@ def format_report(r):
                      f"{m['activation_peak_mb']:.2f} |")
     lines += ["", "predicted: this project's passes (JAGG 2 F_g + (w-2) F_ng + 2 B per group; with reuse 2 F_g + 2 B "
               "for on-policy samples) from the unit costs; authors' schedule: the same groups with every member "
-              "forwarded without grad first (w F_ng + 2 F_g + 2 B per JAGG group). Activation peak: tensors saved "
+              "forwarded without grad first (w F_ng + 2 F_g + 2 B per JAGG group); deferred: vanilla's update through "
+              "jagg_patch.deferred's proxy, every member called without grad (w F_ng; with reuse none for on-policy "
+              "samples), then 2 F_g + 2 B per JAGG group at the flush. Activation peak: tensors saved "
               "for backward (dancegrpo.utils.activation_meter.ActivationMeter)."]
     lines += _auto_lines(r)
     lines += _collective_lines(r)

@@ -82,17 +82,17 @@ def selections_of(ctx, args, prepared):
 def predicted_seconds(args, selection, num_transitions, mode, units, schedule="project"):
     """Update seconds of every sample's groups from the unit costs (per micro-batch of
     --update_batch_size samples, so per sample / update_batch_size) for a BenchMode (vanilla: every
-    transition its own exact group). A reuse mode's on-policy samples (the first GA) take the "reuse"
-    schedule."""
+    transition its own exact group). A reuse mode's on-policy samples (the first GA) take its reuse
+    schedule (BenchMode.schedule); schedule "authors": the authors' pass schedule for every sample."""
     passes = [0, 0, 0]
-    jagg_mode, reuse = mode.jagg_mode or "exact", mode.reuse
+    jagg_mode = mode.jagg_mode or "exact"
     for i_sample, row in enumerate(selection.steps.tolist()):
         if mode.vanilla:
             groups = [Group(0, (k,), False) for k in row if k >= 0]
         else:
             groups = sample_groups(row, num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping)
         on_policy = i_sample < args.gradient_accumulation_steps
-        sample_schedule = "reuse" if reuse != "off" and on_policy and schedule == "project" else schedule
+        sample_schedule = mode.schedule(on_policy) if schedule == "project" else schedule
         for i, n in enumerate(sum_passes(groups, jagg_mode, sample_schedule)):
             passes[i] += n
     return seconds(passes, units["f_grad"], units["f_nograd"], units["backward"]) / args.update_batch_size

@@ -9,7 +9,11 @@
 Modes: vanilla (dancegrpo's own seams), jagg (joint backward), jagg_split (split backward),
 jagg_batched (both endpoints in one forward), each also with _reuse (--jagg_reuse_rollout
 on_policy: the first GA samples take their middle members' outputs from the rollout), exact
-(per-step backward of the same groups) and endpoints (the ablation, joint backward). A JAGG mode
+(per-step backward of the same groups) and endpoints (the ablation, joint backward); deferred and
+deferred_reuse run vanilla's own update with the transformer behind jagg_patch.deferred's proxy (its
+rollout recorded by re-running the same rollout through it, untimed; the flush is timed with the
+update; with _reuse the first GA samples' calls take the rollout's outputs), not among the defaults:
+--bench_modes vanilla,jagg_split_reuse,deferred,deferred_reuse sets them side by side. A JAGG mode
 with _auto (jagg_auto, jagg_split_reuse_auto, ...) is --jagg_frac auto with the live fidelity
 monitor measuring in every timed run (each run is a new training step to it, so the monitor's
 passes are in every timing): its time splits into the monitor's (monitor_time_s) and the routed
@@ -82,6 +86,7 @@ class Bench:
         self.num_transitions = self.rollout.log_probs.shape[1] - 1
         self.selections = selections_of(ctx, args, self.prepared)
         self.all_idx = torch.arange(self.num_samples, device=ctx.device)
+        self.proxies = {m.name: self._recorded_proxy(m) for m in modes if m.deferred}
         ctx.transformer.train()
         self.updates = {m.name: vanilla_update if m.vanilla else make_update(args, m) for m in modes}
         vanilla_steps = self.selections["vanilla"].steps.to(ctx.device)
@@ -92,6 +97,21 @@ class Bench:
         self.rollout_times = []
         self.times = {m.name: [] for m in modes}
         self.monitor_times = {m.name: [] for m in modes if m.auto}
+
+    def _recorded_proxy(self, mode):
+        """A deferred mode's proxy of the transformer, the bench's rollout re-run through it (the same
+        generators: the same rollout), untimed, so that it knows the trajectories."""
+        from ..deferred import wrap
+        from .bench_modes import mode_config
+        ctx, raw = self.ctx, self.ctx.transformer
+        proxy = wrap(raw, mode_config(self.args, mode)).attach(ctx.optimizer)
+        gen, _ = self.trainer.step_generators(ctx, 1)
+        ctx.transformer = proxy
+        try:
+            self.trainer.sample_reference_model(ctx, self.prepared.cond, self.prepared.captions, gen)
+        finally:
+            ctx.transformer = raw
+        return proxy
 
     def time_rollout(self):
         """The same rollout again, timed."""
@@ -106,16 +126,26 @@ class Bench:
         on-policy (no optimizer step is taken here, so the parameters stay the rollout's). Returns
         the seconds the monitor took (an auto mode's run is a new step to it: it measures)."""
         ctx, args, prepared = self.ctx, self.args, self.prepared
-        sel = self.selections["vanilla" if mode.vanilla else "jagg"]
+        sel = self.selections["vanilla" if mode.vanilla or mode.deferred else "jagg"]
         ga = args.gradient_accumulation_steps
         if mode.auto:
             ctx.step += 1
+        proxy, raw = self.proxies.get(mode.name), ctx.transformer
         monitor_s = 0.0
-        for block in range(0, self.num_samples, ga):
-            stats = self.trainer.accumulate_policy_gradient(
-                ctx, self.rollout, prepared.cond, prepared.advantages, self.all_idx[block:block + ga],
-                sel.steps.to(ctx.device), ga * sel.num_train, self.updates[mode.name], on_policy=block == 0)
-            monitor_s = max(monitor_s, stats.metrics.get("monitor_time_s", 0.0))   # the step's total so far
+        try:
+            if proxy is not None:
+                proxy.note_fresh_rollout()
+                ctx.transformer = proxy
+            for block in range(0, self.num_samples, ga):
+                stats = self.trainer.accumulate_policy_gradient(
+                    ctx, self.rollout, prepared.cond, prepared.advantages, self.all_idx[block:block + ga],
+                    sel.steps.to(ctx.device), ga * sel.num_train, self.updates[mode.name], on_policy=block == 0)
+                monitor_s = max(monitor_s, stats.metrics.get("monitor_time_s", 0.0))   # the step's total so far
+                if proxy is not None:   # where training's optimizer step would flush, and move the weights
+                    proxy.flush()
+                    proxy.note_step()
+        finally:
+            ctx.transformer = raw
         return monitor_s
 
     def time_modes(self):
@@ -151,6 +181,8 @@ class Bench:
                 counted[mode.name] = collective_summary(counts, self.num_samples, self.args.update_batch_size)
         self.ctx.transformer.zero_grad(set_to_none=True)
         self.ctx.counter.remove()
+        for proxy in self.proxies.values():
+            proxy.close()
         return peaks, counted
 
 
@@ -265,6 +297,9 @@ def main(argv=None):
         raise SystemExit("error: jagg_patch.tools.bench_update times the modes at a fixed --jagg_frac; time "
                          "--jagg_frac auto with a mode ending in _auto (--bench_modes vanilla,jagg_split_reuse_auto)")
     modes = parse_modes(args.bench_modes)   # before anything loads
+    if any(m.deferred for m in modes) and args.jagg_grouping != "trained":
+        raise SystemExit("error: the deferred modes group the transitions vanilla's update trains: time them with "
+                         "--jagg_grouping trained")
     # the _auto modes route by --jagg_min_cos, though --jagg_frac is a fixed fraction
     check_trajectory(args, min_cos_used=any(m.auto for m in modes))
     result = exit_on_config_error(run_benchmark)(module, args)

@@ -11,6 +11,10 @@ Per sample, the update costs F_g x (forwards with grad) + F_ng x (forwards witho
                                                           member without grad, endpoints too)
     with the rollout's outputs 2 F_g                + 2 B   (--jagg_reuse_rollout, on-policy
                                                           samples: the middles cost nothing)
+    deferred (jagg_patch.deferred) 2 F_g +  w    F_ng + 2 B   (the loop's own calls without grad, then the
+                                                          endpoints replayed; exact groups w (F_ng + F_g + B))
+    deferred, rollout's outputs    2 F_g                + 2 B   (on-policy calls take the rollout's output;
+                                                          exact groups w (F_g + B))
 
 The table printed by `main` takes the paper's two speed figures and solves, for each
 variant, the backward/forward cost ratio B/F at which the variant would be that much faster
@@ -30,7 +34,14 @@ from ..update import groups_of
 
 
 def group_passes(group, mode="jagg", schedule="project"):
-    """(grad forwards, no-grad forwards, backwards) of one group of one sample."""
+    """(grad forwards, no-grad forwards, backwards) of one group of one sample. schedule: "project"
+    (this project's restated update), "reuse" (its middles from the rollout), "authors" (the authors'
+    pass schedule), "deferred" / "deferred_reuse" (jagg_patch.deferred: every member called without
+    grad when the loop calls it, or taken from the rollout, then the replays)."""
+    if schedule.startswith("deferred"):
+        called = 0 if schedule == "deferred_reuse" else group.size
+        replayed = 2 if group.jagg and mode != "exact" else group.size
+        return replayed, called, replayed
     f_grad, f_nograd, backwards = group_cost(group, mode, reused=schedule == "reuse")
     if schedule == "authors" and group.jagg and mode != "exact":
         f_nograd += 2  # the endpoints' no-grad forwards for the upstream gradients

@@ -41,3 +41,30 @@ def test_an_auto_mode_measures_in_every_timed_run_and_reports_its_routing(cache_
 def test_bad_auto_requests_are_refused_before_anything_loads(cache_dir, tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):
         bench(cache_dir, tmp_path, *flags)
+
+
+def test_the_deferred_modes_run_beside_the_restated_ones(cache_dir, tmp_path):
+    """deferred / deferred_reuse: vanilla's own update through the proxy, timed with its flush; predicted
+    by the cost model's deferred schedules (every member called without grad, or taken from the rollout;
+    then 2 replays and their backwards per JAGG group)."""
+    from jagg_patch.plan import Group
+    from jagg_patch.tools.cost_model import group_passes
+    assert group_passes(Group(0, (0, 1, 2, 3), True), "jagg", "deferred") == (2, 4, 2)
+    assert group_passes(Group(0, (0, 1, 2, 3), True), "jagg", "deferred_reuse") == (2, 0, 2)
+    assert group_passes(Group(1, (4,), False), "jagg", "deferred") == (1, 1, 1)
+    result = bench(cache_dir, tmp_path, "--bench_modes", "vanilla,jagg_split_reuse,deferred,deferred_reuse",
+                   "--jagg_frac", "1")
+    modes, units = result["modes"], result["unit_costs_s"]
+    assert all(modes[m]["update_s"] > 0 for m in ("deferred", "deferred_reuse"))
+    # GA covers the rollout, so every sample is on-policy: with reuse the deferred passes are the restated ones
+    assert modes["deferred_reuse"]["predicted_update_s"] == pytest.approx(modes["jagg_split_reuse"]["predicted_update_s"])
+    # without, every member is called without grad: 4 samples x (one group of 3 + one row of 1)
+    extra = 4 * (3 * units["f_nograd"] + 1 * units["f_nograd"]) / 4
+    assert modes["deferred"]["predicted_update_s"] == pytest.approx(
+        modes["deferred_reuse"]["predicted_update_s"] + extra)
+    assert "| deferred_reuse |" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_deferred_modes_refuse_the_window_grouping(cache_dir, tmp_path):
+    with pytest.raises(SystemExit, match="deferred modes group the transitions vanilla's update trains"):
+        bench(cache_dir, tmp_path, "--bench_modes", "vanilla,deferred", "--jagg_grouping", "window")
