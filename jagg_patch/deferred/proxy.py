@@ -3,13 +3,13 @@
 The loop calls the proxy where it called the model. A call under no_grad passes through (a rollout
 step is recorded: jagg_patch.deferred.record); so is one made on the model inside, past the proxy (a
 rollout through `pipeline.unet` while the update calls the prepared DDP wrapper), seen by a forward
-hook. A call in grad mode runs without grad (or takes the
-rollout's own output) and returns the output as a fresh leaf, so the loop's own log-prob, clip, KL
-and scaling compute each row's upstream gradient s_j into the leaf's .grad when the loop calls
-backward. Before the parameters' gradient is read (a clip, the optimizer's step: jagg_patch.deferred
-.hooks) the proxy flushes: it places each row in its trajectory, cuts the groups, folds the signals
-onto the endpoints (jagg_patch.deferred.fold) and replays the endpoints with grad, the parameters
-being those of the calls (jagg_patch.deferred.replay).
+hook. A call in grad mode runs without grad (or takes the rollout's own output) and returns the
+output as a fresh leaf, so the loop's own log-prob, clip, KL and scaling compute each row's upstream
+gradient s_j into the leaf's .grad when the loop calls backward. Before the parameters' gradient is
+read (a clip, the optimizer's step: jagg_patch.deferred.hooks) the proxy flushes: it places each row
+in its trajectory, cuts the groups, folds the signals onto the endpoints (jagg_patch.deferred.fold)
+and replays the endpoints with grad, the parameters being those of the calls
+(jagg_patch.deferred.replay).
 """
 import contextlib
 import time
@@ -24,10 +24,10 @@ from .record import RolloutRecord, reuse_context
 from .replay import Replayer, guard, called_as, make_chunks
 from .stats import FlushStats
 
-_OWN = ("wrapped", "jagg_config", "stats", "on_flush")
+_OWN = ("wrapped", "jagg_config", "stats", "on_flush")   # every other attribute is the model's (.config, .module)
 # Calls any proxy is making of its model right now: a forward hook of another proxy of the same model
 # leaves them to the proxy that makes them.
-_CALLING = [0]   # every other attribute is the model's (its .config, .module)
+_CALLING = [0]
 
 
 def check_config(config):

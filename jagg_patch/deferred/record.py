@@ -35,7 +35,6 @@ class Entry:
     """One rollout row: its trajectory and position, and (for reuse) its output and what it ran under."""
     trajectory: int
     position: int
-    t: float
     output: torch.Tensor = None
     context: tuple = None
 
@@ -105,7 +104,7 @@ class RolloutRecord:
         entries = []
         for r, key in enumerate(call.keys):
             kept = output[r] if self.keep_outputs and output is not None else None
-            entries.append((key, Entry(chain.trajectories[r], position, float(call.t[r]), kept,
+            entries.append((key, Entry(chain.trajectories[r], position, kept,
                                        reuse_context(call, r) if kept is not None else None)))
         if new or chain.confirmed:
             chain.confirmed = True

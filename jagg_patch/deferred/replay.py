@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .calls import gather_rows, split_output
+from .calls import gather_rows
 from .errors import DeferredError
 
 # The largest |replay - call-time output| allowed, relative to the call-time output's largest value,

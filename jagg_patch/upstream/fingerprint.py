@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..seams import (SeamError, UPSTREAM_CALLED, UPSTREAM_COMMIT, UPSTREAM_FAMILY_PARAMETERS, UPSTREAM_OWN_STEP_RELEASES,
                      UPSTREAM_PREPARE_FILES, UPSTREAM_RELEASES, UPSTREAM_REWARD_NAMES, UPSTREAM_ROLLOUT_VALUES,
                      UPSTREAM_SEAMS, UPSTREAM_TRAIN_ONE_STEP, UPSTREAM_TRAINER_FILES)
-from .tokenhash import function_source, hash_tokens, source_tokens, token_hash, token_hashes
+from .tokenhash import function_source, token_hash, token_hashes
 
 DOCS_PAGE = "docs/upstream_adapter.md"
 DOCS_SECTION = f'{DOCS_PAGE}, "When the fingerprint fires"'

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from deferred_loops import LOOPS, Log, Setting, Velocity, capture_grads, ppo, reference_gradients
+from deferred_loops import LOOPS, Log, Setting, Velocity, capture_grads, reference_gradients
 from helpers import REPO_ROOT, relative_error
 from jagg_patch import JaggConfig
 from jagg_patch import deferred

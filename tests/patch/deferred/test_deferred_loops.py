@@ -189,11 +189,9 @@ def test_interleaved_rollouts_are_never_linked_across():
     assert all(len(p) == 1 for p in trajectories.values())   # every call its own chain: nothing to group
 
 
-@pytest.mark.parametrize("loop", ["flux", "sd"])
-def test_zero_grad_drops_what_is_pending(loop):
+def test_zero_grad_drops_what_is_pending():
     """A loop that zeroes the gradient without stepping erases vanilla's accumulated gradient: the
     pending rows are dropped the same way."""
-    setting = Setting()
     model = Velocity()
     proxy = deferred.wrap(model, JaggConfig())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)

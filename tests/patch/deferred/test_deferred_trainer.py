@@ -2,7 +2,6 @@
 gives the restated update's gradient (float64, to 1e-12) for W 2-8, jagg_frac 0.6 / 1, both alpha
 rules, reuse off / on, micro-batches of 1 and more, accumulation over micro-batches; end to end
 through the launcher the same records; and the flags it cannot run with are refused in one line."""
-import json
 import os
 
 import pytest

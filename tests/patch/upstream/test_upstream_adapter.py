@@ -15,7 +15,6 @@ import errno
 import os
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ outputs, and the checks that tell these trainers apart or refuse bad input befor
 import pytest
 import torch
 
-from jagg_patch.upstream import UpstreamUnsupported, apply, load_trainer, revert
+from jagg_patch.upstream import apply, load_trainer, revert
 from jagg_patch.upstream.fingerprint import family_of
 from upstream_harness import (B, GA, Standin, copy_checkout, in_tmp, jagg_step_and_its_draw,  # noqa: F401
                               one_rank_group, recorded_rollout, standins_known, reference_jagg_gradient, rel, standin_file)

@@ -8,7 +8,6 @@
 # upstream's model folder and text encoder; the LoRA branch is not modelled (diffusers 0.42's
 # LoRAAttnProcessor takes no arguments, so upstream's use_lora fails there).
 import contextlib
-import os
 from collections import defaultdict
 
 import torch
