@@ -186,9 +186,9 @@ def guided(out, g, rows):
 
 
 def batched_rollout(model, s, generator, initial, velocity):
-    """Every sample's trajectory in batches of s.batch, under no_grad: initial(rows) the first latents,
-    velocity(z, k, start, rows) the model's (guided) output. Returns (latents [N, S+1, ...], log-probs
-    [N, S])."""
+    """Every sample's trajectory in batches of s.batch, under no_grad: initial(rows) the first latents
+    (in the dtype the model gets them, which every step keeps), velocity(z, k, start, rows) the model's
+    (guided) output; the step in float64. Returns (latents [N, S+1, ...], log-probs [N, S])."""
     sigmas = s.sigmas()
     model.eval()
     latents, log_probs = [], []
@@ -198,8 +198,10 @@ def batched_rollout(model, s, generator, initial, velocity):
         traj, lp = [z], []
         with torch.no_grad():
             for k in range(s.steps):
-                z, logp = gaussian_step(z, velocity(z, k, start, rows), float(sigmas[k]), float(sigmas[k + 1]),
-                                        s.eta, generator=generator)
+                v = velocity(z, k, start, rows).to(DT)
+                step, logp = gaussian_step(z.to(DT), v, float(sigmas[k]), float(sigmas[k + 1]), s.eta,
+                                           generator=generator)
+                z = step.to(z.dtype)
                 traj.append(z)
                 lp.append(logp)
         latents.append(torch.stack(traj, dim=1))
@@ -444,22 +446,9 @@ def flux_model_loop(model, optimizer, s, log, generator, autocast=None, kl=False
                        timestep=t, img_ids=img_ids, txt_ids=txt_ids, guidance=torch.full((len(rows),), 3.5, dtype=dtype),
                        return_dict=False)[0]
 
-    model.eval()
-    latents, log_probs = [], []
-    for start in range(0, s.samples, s.batch):
-        rows = list(range(start, min(start + s.batch, s.samples)))
-        z = torch.randn(len(rows), tokens, 64, generator=generator, dtype=DT).to(dtype)
-        traj, lp = [z], []
-        with torch.no_grad():
-            for k in range(s.steps):
-                v = call(model, z, sigmas[k].expand(len(rows)).to(dtype), rows).to(DT)
-                z, logp = gaussian_step(z.to(DT), v, float(sigmas[k]), float(sigmas[k + 1]), s.eta, generator=generator)
-                z = z.to(dtype)
-                traj.append(z)
-                lp.append(logp)
-        latents.append(torch.stack(traj, dim=1))
-        log_probs.append(torch.stack(lp, dim=1))
-    latents, log_probs = torch.cat(latents), torch.cat(log_probs)
+    latents, log_probs = batched_rollout(
+        model, s, generator, lambda rows: torch.randn(rows, tokens, 64, generator=generator, dtype=DT).to(dtype),
+        lambda z, k, start, rows: call(model, z, sigmas[k].expand(rows).to(dtype), list(range(start, start + rows))))
     adv = advantages_of(latents[:, -1].to(DT), s)
     perms = torch.stack([torch.randperm(s.steps - 1, generator=generator) for _ in range(s.samples)])
     model.train()
