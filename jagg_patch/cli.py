@@ -228,8 +228,7 @@ def jagg_plan_text(args, output_bytes=None):
     n_vanilla = window or num_train_timesteps(num_transitions, args.timestep_fraction)
     deferred = getattr(args, "jagg_deferred", False)
     backward = "deferred" if deferred else resolve_backward(args.jagg_backward)
-    shown = backward if args.jagg_backward == "auto" or deferred else args.jagg_backward
-    shown = shown if args.jagg_backward != "auto" or deferred else f"auto -> {backward}"
+    shown = backward if deferred or args.jagg_backward != "auto" else f"auto -> {backward}"
     window_shown = args.jagg_window
     if args.jagg_grouping == "trained" and args.jagg_window > n_vanilla:
         # a sample trains fewer transitions than the window: its one group is all of them

@@ -5,9 +5,9 @@ Only the trainer module's `train_one_step(ctx)` seam is wrapped (jagg_patch.seam
 it puts the proxy in ctx.transformer (the engine keeps the model it holds, for its clip, state dicts
 and EMA), attached to the engine's optimizer, and makes the engine's `optimizer_step` flush first
 (its clip reads which parameters have a gradient before it clips); every step's record gets the
-proxy's counts of that step, summed over the ranks. The JAGG plan, the counts and the gradient are the restated update's
-(jagg_patch.update); what differs is the cost of placing rows at call time and replaying the
-endpoints (docs/deferred.md).
+proxy's counts of that step, summed over the ranks. Where every row is placed, the groups, routing
+and gradient are the restated update's (jagg_patch.update); rows the proxy cannot tell apart (one
+initial latent for a group) train exactly (docs/deferred.md).
 """
 import torch
 

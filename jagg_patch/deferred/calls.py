@@ -286,21 +286,10 @@ class Call:
                 parts.append((name, _shared_signature(value)))
         return (tuple(parts), self.autocast, self.training)
 
-    def rows_arguments(self, rows):
-        """The arguments of a call on these rows of this call (a list of row indices)."""
-        return {name: _take_rows(value, rows) if self.roles[name] == ROW else value
-                for name, value in self.arguments.items()}
-
     def bound(self, arguments):
         """(args, kwargs) of a call with these bound arguments."""
         ba = inspect.BoundArguments(self.shape.signature, arguments)
         return ba.args, ba.kwargs
-
-
-def _take_rows(value, rows):
-    if torch.is_tensor(value):
-        return value[rows]
-    return type(value)(value[r] for r in rows)
 
 
 def gather_rows(parts):

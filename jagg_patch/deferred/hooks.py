@@ -30,7 +30,6 @@ def _flushing(fn):
     def flushed_first(*args, **kwargs):
         _flush_all()
         return fn(*args, **kwargs)
-    flushed_first.deferred_original = fn
     return flushed_first
 
 

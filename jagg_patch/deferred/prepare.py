@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hooks import real_optimizer
 from .proxy import wrap
 
 
@@ -20,13 +21,11 @@ def _trainable(obj):
 
 
 def _optimizer_params(obj):
-    """The parameters an optimizer (or a wrapper holding one as .optimizer) steps; None for anything else."""
-    inner = obj
-    while not isinstance(inner, torch.optim.Optimizer) and hasattr(inner, "optimizer"):
-        inner = inner.optimizer
-    if not isinstance(obj, torch.optim.Optimizer) and not isinstance(inner, torch.optim.Optimizer):
+    """The parameters an optimizer steps (accelerate's wrapper is a torch Optimizer too; a scheduler,
+    which holds one, is none); None for anything else."""
+    if not isinstance(obj, torch.optim.Optimizer):
         return None
-    return {id(p) for group in inner.param_groups for p in group["params"]}
+    return {id(p) for group in real_optimizer(obj).param_groups for p in group["params"]}
 
 
 @dataclass

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from .calls import Call, CallShape, form_key, inner_model, output_form, split_output
+from .calls import Call, CallShape, form_key, gather_rows, inner_model, output_form, split_output
 from .errors import DeferredError
 from .fold import pending_rows, plan_replay
 from .hooks import OptimizerHooks, patch_model_clip, register, unpatch_model_clip, unregister
@@ -155,7 +155,7 @@ class DeferredModel:
             missing = list(range(call.rows))
             forward_args, forward_kwargs = args, kwargs
         else:
-            forward_args, forward_kwargs = call.bound(call.rows_arguments(missing))
+            forward_args, forward_kwargs = call.bound(gather_rows([(call, missing)]))
         with torch.no_grad(), self._own_call():
             output = self._replayer.target(*forward_args, **forward_kwargs)
         computed, rebuild = split_output(output)

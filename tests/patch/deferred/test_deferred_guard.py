@@ -206,3 +206,21 @@ def test_the_package_loads_without_dancegrpo_diffusers_or_accelerate():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
                          env=dict(os.environ, PYTHONPATH=REPO_ROOT))
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr
+
+
+def test_install_at_prepare_wraps_the_model_and_attaches_its_optimizer_once():
+    """accelerate's prepare with a model, its optimizer and a scheduler (which holds the optimizer but is
+    none): the model comes back as a proxy attached to the optimizer once; the rest as accelerate gives it."""
+    from accelerate import Accelerator
+    from jagg_patch.deferred.prepare import install_at_prepare
+    installed = install_at_prepare(JaggConfig())
+    try:
+        model = Velocity()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        proxy, wrapped, prepared_scheduler = Accelerator(cpu=True).prepare(model, optimizer, scheduler)
+        assert isinstance(proxy, deferred.DeferredModel) and proxy.wrapped is model
+        assert not isinstance(prepared_scheduler, deferred.DeferredModel) and installed.proxies == [proxy]
+        assert len(proxy._optimizers) == 1 and proxy._optimizers[0].optimizer is optimizer
+    finally:
+        installed.remove()
