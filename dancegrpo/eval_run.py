@@ -12,8 +12,8 @@ import torch
 from .algo.sampling import denoise, ode, sde_per_sample
 from .algo.sde import model_timesteps, sigma_schedule
 from .errors import NonFiniteError
-from .eval_report import (earlier_summaries, merged_summaries, nonfinite_summary, table_header, table_row,
-                          write_comparison)
+from .eval_report import (earlier_summaries, eval_settings, merged_summaries, nonfinite_summary,
+                          settings_line, table_header, table_row, write_comparison)
 from .eval_inputs import EvalError, preset_mismatch, read_prompt_file, safe_name
 from .models.checkpoints import load_transformer, load_vae, precheck_checkpoint
 from .models.registry import family_class
@@ -65,7 +65,8 @@ def generate(args, family, transformer, vae, cond, seeds, device):
     return family.decode(vae, denoise(predict, z, sigmas, model_timesteps(sigmas), step).x0)
 
 
-def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label, path, device):
+def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label, path, device,
+                        settings):
     out_dir = os.path.join(args.output_dir, safe_name(label))
     os.makedirs(out_dir, exist_ok=True)
     if args.save_images:
@@ -111,7 +112,7 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
         "guidance": args.guidance, "seed": args.seed, "prompt_file": args.prompt_file,
         "data_json_path": os.path.abspath(args.data_json_path),
         "generate_time_s": t_gen, "score_time_s": t_score, "device": str(device),
-        "precision": describe_precision(device, args.mixed_precision),
+        "precision": settings["precision"], "settings": settings,
     }
     write_text(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=1))
     return summary
@@ -144,10 +145,12 @@ def run(args, stack):
         if note:
             print(f"warning: {note}", file=sys.stderr, flush=True)
     names = [n for n, _ in args.metric_terms]
+    settings = eval_settings(args, [dataset.items[i]["caption"] for i in prompt_ids],
+                             describe_precision(device, args.mixed_precision))
     os.makedirs(args.output_dir, exist_ok=True)
     lock = RunLock(args.output_dir, "dancegrpo.evaluate").acquire()   # one writer of table.md at a time
     stack.callback(lock.release)
-    earlier = earlier_summaries(args.output_dir, names)
+    earlier = earlier_summaries(args.output_dir, names, settings)
     vae = load_vae(vae_cls, args, device)
     metric_fn = WeightedReward(args.metric_terms, device, args)
     print(table_header(names), flush=True)
@@ -159,12 +162,13 @@ def run(args, stack):
             if bad:
                 raise NonFiniteError(f"{len(bad)} weight tensor(s) hold NaN/inf, e.g. {bad[0]}")
             summary = evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label,
-                                          path, device)
+                                          path, device, settings)
         except NonFiniteError as e:  # flagged, not ranked; the other checkpoints are still scored
             print(f"warning: {label}: {e}", file=sys.stderr, flush=True)
-            summary = nonfinite_summary(label, path, names, str(e))
+            summary = nonfinite_summary(label, path, names, str(e), settings)
         del transformer
         summaries.append(summary)
         print(table_row(summary), flush=True)
+    print(settings_line(settings), flush=True)
     write_comparison(args.output_dir, names, merged_summaries(earlier, summaries))
     return summaries

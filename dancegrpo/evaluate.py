@@ -26,8 +26,10 @@ Outputs under --output_dir: <label>/scores.csv (one row per image: prompt, seed,
 metric), <label>/summary.json, <label>/grid.png (rows = prompts, columns = images), and
 table.md / comparison.json over all checkpoints; the markdown table is also printed. The folder
 is locked while an evaluation writes it (a second one there is refused), and a later evaluation of
-the same metrics adds its rows to table.md / comparison.json (a label evaluated again replaces its
-row); one of other metrics is refused. The generation and scoring are dancegrpo.eval_run's, loaded
+the same metrics and sampling settings adds its rows to table.md / comparison.json (a label
+evaluated again replaces its row); one of other metrics, or of another sampler, eta, step count,
+shift, guidance, size, precision, seed, images per prompt or prompt set, is refused before any
+model loads (its rows would differ by their settings alone). table.md ends with those settings. The generation and scoring are dancegrpo.eval_run's, loaded
 once the command line is answered.
 """
 import argparse

@@ -82,26 +82,60 @@ def test_evaluate_compares_checkpoints_and_sde(cache_dir, tmp_path, capsys):
     _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2", "--checkpoint", f"vanilla={preset}",
          "--checkpoint", str(tmp_path / "checkpoint-1-0"), "--checkpoint", f"ablation={tmp_path / 'ablation'}")
     table = (tmp_path / "cmp" / "table.md").read_text().splitlines()
-    assert [line.split("|")[1].strip() for line in table[2:]] == ["vanilla", "checkpoint-1-0", "ablation"]
+    assert [line.split("|")[1].strip() for line in table[2:5]] == ["vanilla", "checkpoint-1-0", "ablation"]
     scores = {lab: [r["jpeg"] for r in _csv(tmp_path / "cmp" / lab / "scores.csv")]
               for lab in ("vanilla", "checkpoint-1-0", "ablation")}
     assert scores["vanilla"] == scores["checkpoint-1-0"]  # same weights, same seeds -> same images
     assert scores["ablation"] != scores["vanilla"]
     assert len(json.load(open(tmp_path / "cmp" / "comparison.json"))) == 3
 
-    # Later evaluations into the same folder add their rows; a label evaluated again replaces its own.
-    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2", "--sde", "--eta", "0.3")
-    sde = _csv(tmp_path / "cmp" / "preset-tiny" / "scores.csv")
-    assert [r["jpeg"] for r in sde] != scores["vanilla"]
-    assert json.load(open(tmp_path / "cmp" / "preset-tiny" / "summary.json"))["sampler"] == "sde"
+    # A later evaluation of the same settings adds its rows; a label evaluated again replaces its own.
+    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2")
+    again = _csv(tmp_path / "cmp" / "preset-tiny" / "scores.csv")
     capsys.readouterr()
-    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2", "--sde", "--eta", "0.3")
+    _run(cache_dir, tmp_path / "cmp", "--max_prompts", "2")
     assert "preset-tiny evaluated again: the earlier row is replaced" in capsys.readouterr().err
-    assert _csv(tmp_path / "cmp" / "preset-tiny" / "scores.csv") == sde
+    assert _csv(tmp_path / "cmp" / "preset-tiny" / "scores.csv") == again
     table = (tmp_path / "cmp" / "table.md").read_text().splitlines()
-    assert [line.split("|")[1].strip() for line in table[2:]] == ["vanilla", "checkpoint-1-0", "ablation",
-                                                                  "preset-tiny"]
+    assert [line.split("|")[1].strip() for line in table[2:6]] == ["vanilla", "checkpoint-1-0", "ablation",
+                                                                   "preset-tiny"]
+    assert table[-1].startswith("Every row: family flux, sampler ode, sampling_steps 8"), table[-1]
     assert [s["label"] for s in json.load(open(tmp_path / "cmp" / "comparison.json"))][-1] == "preset-tiny"
+    # The SDE draws other images: its own table.
+    _run(cache_dir, tmp_path / "sde", "--max_prompts", "2", "--sde", "--eta", "0.3")
+    sde = _csv(tmp_path / "sde" / "preset-tiny" / "scores.csv")
+    assert [r["jpeg"] for r in sde] != scores["vanilla"]
+    assert json.load(open(tmp_path / "sde" / "preset-tiny" / "summary.json"))["sampler"] == "sde"
+
+
+@pytest.mark.parametrize("flags,named", [
+    (("--mixed_precision", "bf16", "--sampling_steps", "3", "--seed", "5"),
+     ("precision 'float32' -> 'bf16 autocast'", "sampling_steps 8 -> 3", "seed 0 -> 5")),
+    (("--sampling_steps", "12", "--shift", "1.0", "--guidance", "1.0"),
+     ("sampling_steps 8 -> 12", "shift", "guidance 3.5 -> 1.0")),
+    (("--sde", "--eta", "0.3"), ("sampler 'ode' -> 'sde'", "eta None -> 0.3")),
+    (("--max_prompts", "3"), ("prompts '2 (sha256",)),
+])
+def test_a_row_of_other_sampling_settings_is_refused_before_any_model_loads(cache_dir, tmp_path, capsys,
+                                                                          monkeypatch, flags, named):
+    """table.md compares checkpoints: a row drawn with another sampler, steps, shift, guidance,
+    precision, seed or prompt set would differ by its settings alone, so it does not join."""
+    _run(cache_dir, tmp_path / "t", "--max_prompts", "2", "--checkpoint", "base=" + _preset_root(cache_dir))
+    before = (tmp_path / "t" / "table.md").read_text()
+    from dancegrpo import eval_run
+    monkeypatch.setattr(eval_run, "load_vae", lambda *a: pytest.fail("loaded a model before refusing"))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stop:
+        _run(cache_dir, tmp_path / "t", "--max_prompts", "2", *flags)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "holds rows sampled with other settings" in err, err
+    assert len(err.strip().splitlines()) == 1 and all(n in err for n in named), err
+    assert (tmp_path / "t" / "table.md").read_text() == before and not (tmp_path / "t" / "preset-tiny").exists()
+
+
+def _preset_root(cache_dir):
+    from dancegrpo import presets
+    return presets.materialize_preset("flux", "tiny", cache_dir)
 
 
 def test_evaluate_refuses_a_folder_in_use_and_one_of_other_metrics(cache_dir, tmp_path, capsys, monkeypatch):
