@@ -139,7 +139,7 @@ def report_rewards(gathered, trainer):
     for rewards, label, path in zip(gathered.values(), trainer.gathered_labels, trainer.reward_files):
         print(label, rewards, flush=True)
         with open(path, "a") as f:
-            f.write(f"{rewards.mean().item():.4f}\n")
+            f.write(f"{rewards.mean().item()}\n")   # the float's full repr, as upstream
 
 
 def optimizer_step(family, transformer, optimizer, lr_scheduler, max_grad_norm):

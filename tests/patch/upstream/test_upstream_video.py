@@ -15,7 +15,7 @@ import torch
 
 from jagg_patch.upstream import apply, revert
 from upstream_harness import (B, STANDIN, Standin, in_tmp, one_rank_group, standins_known, recorded_rollout,  # noqa: F401
-                              reference_video_gradient, rel, video_advantages, video_jagg_step, video_rollout,
+                              reference_video_gradient, rel, standin_setup, video_advantages, video_jagg_step, video_rollout,
                               video_selection_and_draw)
 from upstream_releases import write_release
 
@@ -65,6 +65,34 @@ def test_exact_mode_is_the_stand_ins_own_step(key, flags, grouped, cache_dir, tm
         a = standin.args
         assert stats["reward_mean"] == pytest.approx(a.vq_coef * stats["vq_reward_mean"] + a.mq_coef *
                                                      stats["mq_reward_mean"], rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:To copy construct from a tensor")
+def test_hunyuan_rewards_of_more_digits_than_float32_train_and_print_as_upstreams(cache_dir, tmp_path,
+                                                                                monkeypatch):
+    """VideoAlign's scores given as float64 tensors: upstream casts them to float32 before the
+    advantages and writes the float's full repr to ./vq_reward.txt / ./mq_reward.txt; exact mode's
+    gradient, returns and files are its own step's."""
+    setup = standin_setup()
+    plain = setup.VideoAlign.reward
+
+    def float64_scores(self, videos, prompts, use_norm=True):
+        scores = plain(self, videos, prompts, use_norm)[0]
+        return [{k: torch.tensor(v, dtype=torch.float64) / 3 for k, v in scores.items()}]
+    monkeypatch.setattr(setup.VideoAlign, "reward", float64_scores)
+    standin = Standin("hunyuan", cache_dir, tmp_path, "--bestofn", 3, "--mq_coef", 0.5)
+    (loss, norm), grads, rng, _ = standin.step()
+    apply(standin.module, mode="exact", restated=True)
+    try:
+        (loss2, norm2), grads2, rng2, _ = standin.step()
+    finally:
+        revert(standin.module)
+    assert all(rel(g2, g) < 1e-12 for g, g2 in zip(grads, grads2)) and abs(loss2 - loss) < 1e-14
+    files = reward_lines()
+    assert all(len(lines) == 2 and lines[0] == lines[1] for lines in files.values()), files
+    # the full repr of a float32 mean: more digits than '%.4f', and exactly a float32 value
+    assert all(len(lines[0]) > 8 and float(torch.tensor(float(lines[0]), dtype=torch.float32)) == float(lines[0])
+               for lines in files.values()), files
 
 
 # key, flags, --use_group, window, jagg_frac, backward, alpha, reuse

@@ -150,10 +150,10 @@ def train_one_step(args, device, transformer, vae, inferencer, optimizer, lr_sch
     if dist.get_rank() == 0:
         print("gathered_vq_reward", gathered_vq_reward)
         with open("./vq_reward.txt", "a") as f:
-            f.write(f"{gathered_vq_reward.mean().item():.4f}\n")
+            f.write(f"{gathered_vq_reward.mean().item()}\n")
         print("gathered_mq_reward", gathered_mq_reward)
         with open("./mq_reward.txt", "a") as f:
-            f.write(f"{gathered_mq_reward.mean().item():.4f}\n")
+            f.write(f"{gathered_mq_reward.mean().item()}\n")
     n = len(samples["vq_rewards"]) // (args.num_generations)
     vq_advantages = torch.zeros_like(samples["vq_rewards"])
     for i in range(n):

@@ -166,7 +166,7 @@ def train_one_step(args, device, transformer, pipe_flux, vae, inferencer, optimi
     if dist.get_rank() == 0:
         print("gathered_reward", gathered_reward)
         with open("./reward.txt", "a") as f:
-            f.write(f"{gathered_reward.mean().item():.4f}\n")
+            f.write(f"{gathered_reward.mean().item()}\n")
     if args.use_group:
         n = len(samples["rewards"]) // (args.num_generations)
         advantages = torch.zeros_like(samples["rewards"])

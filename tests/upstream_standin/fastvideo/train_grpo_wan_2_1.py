@@ -109,7 +109,7 @@ def train_one_step(args, device, transformer, vae, reward_model, tokenizer, opti
     if dist.get_rank() == 0:
         print("gathered_reward", gathered_reward)
         with open("./reward.txt", "a") as f:
-            f.write(f"{gathered_reward.mean().item():.4f}\n")
+            f.write(f"{gathered_reward.mean().item()}\n")
     if args.use_group:
         n = len(samples["rewards"]) // args.num_generations
         advantages = torch.zeros_like(samples["rewards"])
