@@ -175,12 +175,23 @@ def explicit_flags(parser, argv):
     return sorted({actions[tok.split("=", 1)[0]].dest for tok in argv if tok.split("=", 1)[0] in actions})
 
 
+def check_preset_world(parser, argv, preset):
+    """Refuse, before the preset is built, a world size its batch does not split over, unless the
+    batch and accumulation are given by hand."""
+    from .utils.launch import launch_world_size
+    given = explicit_flags(parser, argv)
+    problem = presets.uneven_split(parser.get_default("family"), preset, launch_world_size())
+    if problem and not {"train_batch_size", "gradient_accumulation_steps"} <= set(given):
+        parser.error(problem)
+
+
 def parse_args(parser, argv=None):
     """Parse with preset defaults applied under explicit flags, then validate."""
     argv = join_negative_values(sys.argv[1:] if argv is None else list(argv))
     args = parser.parse_args(argv)   # --help and flag errors answer here, before a preset is built
     preset, cache_dir = _preset_from(argv, parser.get_default("family"))
     if preset is not None:
+        check_preset_world(parser, argv, preset)
         parser.set_defaults(**presets.preset_defaults(parser.get_default("family"), preset, cache_dir))
         args = parser.parse_args(argv)
     args.explicit_flags = explicit_flags(parser, argv)

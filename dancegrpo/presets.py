@@ -94,6 +94,24 @@ def spec_defaults_for_world(defaults, num_prompts, world_size):
     return defaults
 
 
+def uneven_split(family, name, world_size):
+    """Why the preset's per-step batch cannot be split over world_size ranks as one process trains
+    it (None when it can, or when each rank holds the whole batch): the ranks would train fewer
+    prompts than the preset's step, or accumulate over other counts."""
+    spec = preset_spec(family, name)
+    defaults = spec["defaults"]
+    tbs, ga, num_prompts = defaults["train_batch_size"], defaults["gradient_accumulation_steps"], spec["num_prompts"]
+    if world_size <= 1 or tbs * world_size <= num_prompts:
+        return None
+    if num_prompts % world_size == 0 and ga % world_size == 0:
+        return None
+    fits = [str(n) for n in range(1, num_prompts + 1) if num_prompts % n == 0 and ga % n == 0]
+    generations = defaults["num_generations"] if defaults.get("use_group") else 1
+    return (f"--preset {name} trains {num_prompts} prompts x {generations} generations per step (GA {ga}), "
+            f"which {world_size} ranks cannot split evenly: launch {', '.join(fits[:-1])} or {fits[-1]} ranks, or give "
+            "--train_batch_size and --gradient_accumulation_steps for this world size yourself")
+
+
 def preset_defaults(family, name, cache_dir):
     """Materialize the preset and return the flag defaults it sets."""
     from .utils.communications import launch_world_size

@@ -15,12 +15,11 @@ USAGE = """usage: python -m jagg_patch TRAINER_MODULE [trainer flags] [--jagg_* 
 Run a DanceGRPO trainer with its policy update replaced by JAGG (Jacobian-Aggregated
 Group Gradient): in the first jagg_frac of each sample's groups of W
 transitions (highest noise) only the two endpoints are backpropagated, with the middle
-members' loss gradients interpolated onto them. JAGG flags (see TRAINER_MODULE --help):
-  --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
-  --jagg_grouping trained|window  --jagg_alpha timestep|index
-  --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
-  --jagg_reuse_rollout off|on_policy|always (on_policy)
-  --jagg_deferred   the trainer's own update, unpatched, through the deferred proxy
+members' loss gradients interpolated onto them. JAGG flags (defaults in brackets; each is
+explained by TRAINER_MODULE --help):
+JAGG_FLAGS
+--jagg_backward auto: batched on several ranks, split on one. --jagg_deferred: the trainer's own
+update, unpatched, through the deferred proxy.
 TRAINER_MODULE: one of TRAINERS. The defaults are the paper's variant; the authors' code is
   --jagg_grouping window --jagg_alpha index --jagg_backward split --jagg_frac 1
 Example: python -m jagg_patch dancegrpo.train_grpo_flux --preset tiny --output_dir out --jagg_window 4
@@ -28,8 +27,12 @@ Example: python -m jagg_patch dancegrpo.train_grpo_flux --preset tiny --output_d
 
 
 def _usage():
+    import argparse
+
     import dancegrpo
-    return USAGE.replace("TRAINERS", ", ".join(dancegrpo.TRAINERS))
+    from .cli import add_jagg_args, flags_text
+    return (USAGE.replace("TRAINERS", ", ".join(dancegrpo.TRAINERS))
+            .replace("JAGG_FLAGS", flags_text(add_jagg_args(argparse.ArgumentParser()))))
 
 
 def main(argv=None):

@@ -23,9 +23,13 @@ def load_trainer(name, usage):
     if name.startswith("-"):
         fail(f"the first argument must be a trainer module, got {name!r}\n\n{usage}")
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
     except ImportError as e:
         fail(f"cannot import trainer module {name!r}: {e}")
+    if not callable(getattr(module, "build_parser", None)):
+        import dancegrpo
+        fail(f"{name!r} is no trainer module (it has no build_parser); give one of {', '.join(dancegrpo.TRAINERS)}")
+    return module
 
 
 def trainer_cli(argv, tool, usage, complete=False):
@@ -78,11 +82,31 @@ _count = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _positive = _checked(int, lambda v: v >= 1, "an integer >= 1")
 
 
+def flags_text(parser, prefix="--jagg_", width=100):
+    """The usage lines of the parser's flags that start with `prefix`: each flag, its values (choices
+    or metavar) and its default, as the parser has them, so that a usage text cannot drift from it."""
+    items = []
+    for action in parser._actions:   # argparse has no public list of a parser's actions
+        flag = next((o for o in action.option_strings if o.startswith(prefix)), None)
+        if flag is None:
+            continue
+        value = "|".join(map(str, action.choices)) if action.choices else (action.metavar or "")
+        default = f" ({action.default})" if action.default not in (None, False) else ""
+        items.append(f"{flag}{' ' + value if value else ''}{default}")
+    lines, line = [], ""
+    for item in items:
+        if line and len(line) + 2 + len(item) > width:
+            lines.append(line)
+            line = ""
+        line = f"{line}  {item}" if line else f"  {item}"
+    return "\n".join(lines + [line])
+
+
 def add_jagg_args(parser):
     g = parser.add_argument_group("JAGG (jagg_patch)")
-    g.add_argument("--jagg_window", type=_window, default=4,
+    g.add_argument("--jagg_window", type=_window, default=4, metavar="W",
                    help="W: transitions per group (>= 2; 2 is the exact gradient).")
-    g.add_argument("--jagg_frac", type=_fraction, default=0.6,
+    g.add_argument("--jagg_frac", type=_fraction, default=0.6, metavar="F|auto",
                    help="Fraction of the groups, highest noise first, routed to JAGG; the rest get the exact "
                         "per-step backward (rounded half up). The authors' code: 1. auto: the group positions "
                         "whose monitored cosine to the exact gradient is measured to reach --jagg_min_cos (a "
@@ -90,7 +114,7 @@ def add_jagg_args(parser):
                         "every position is exact until the first measurement (step 1); needs the monitor "
                         "(--jagg_monitor_every, 10 if not given). The routing is logged each step as jagg_routed "
                         "(bit p: position p runs JAGG) and printed when it changes.")
-    g.add_argument("--jagg_min_cos", type=_cosine, default=None,
+    g.add_argument("--jagg_min_cos", type=_cosine, default=None, metavar="C",
                    help=f"With --jagg_frac auto (default {DEFAULT_MIN_COS}): a position runs JAGG once the lower 95%% "
                         "bound of its cosine reaches this, and leaves JAGG when the upper bound falls below it (a "
                         "bound across it changes nothing).")
@@ -118,7 +142,7 @@ def add_jagg_args(parser):
                         "the same output (exact; all samples when GA covers the rollout); always: also after "
                         "(stale outputs, an approximation); off: forward every middle member. Keeps S model "
                         "outputs per sample (the size of the stored latents).")
-    g.add_argument("--jagg_monitor_every", type=_count, default=None,
+    g.add_argument("--jagg_monitor_every", type=_count, default=None, metavar="N",
                    help="N > 0: at step 1 and every N steps, measure on the step's own samples the exact gradient "
                         "of every group position next to JAGG's and the endpoints ablation's, and log cos and "
                         "relative error per position (jagg_cos/g0, ...; jagg_patch.monitor). The training is "
@@ -130,7 +154,7 @@ def add_jagg_args(parser):
                         "as a leaf, the loop's own loss computes the upstream gradients, and before the clip the "
                         "proxy folds them and replays the endpoints. Same gradient as the restated update; "
                         "--jagg_backward is not used (the replay runs chunks of the loop's own call size).")
-    g.add_argument("--jagg_monitor_samples", type=_positive, default=MONITOR_SAMPLES,
+    g.add_argument("--jagg_monitor_samples", type=_positive, default=MONITOR_SAMPLES, metavar="N",
                    help="Samples the monitor measures on per rank, the step's first (over its first micro-batches "
                         "when one holds fewer); --jagg_frac auto needs >= 2 (the spread its bound is made of).")
     return parser

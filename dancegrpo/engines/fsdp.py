@@ -46,6 +46,15 @@ def prepare_transformer(args, family, transformer, device, world_size, weight_ty
     return model
 
 
+def check_cpu_offload(args):
+    """--use_cpu_offload moves parameters off a GPU: without one there is nothing to move (FSDP1
+    would fail at the first forward)."""
+    import torch
+    if args.use_cpu_offload and not torch.cuda.is_available():
+        raise ValueError(f"--use_cpu_offload with --engine {args.engine} on a machine without a GPU: the parameters "
+                         "are on the CPU already; drop the flag")
+
+
 class FSDPEngine(Engine):
     name = "fsdp"
     banner_name = "FSDP"
@@ -59,6 +68,7 @@ class FSDPEngine(Engine):
     def validate_args(cls, args):
         if args.deepspeed_config:
             raise ValueError("--deepspeed_config is given but --engine is fsdp; add --engine deepspeed")
+        check_cpu_offload(args)
 
     @classmethod
     def build(cls, args, family, raw, device, world_size):

@@ -26,7 +26,7 @@ import torch
 from ..errors import ConfigError
 from ..utils.fsdp_util import apply_activation_checkpointing, broadcast_module_states, resolve_weight_type
 from .base import build_optimizer
-from .fsdp import FSDPEngine
+from .fsdp import FSDPEngine, check_cpu_offload
 from .probe import GradProbe
 
 # --fsdp_sharding_startegy -> (a 2-D mesh, reshard after forward)
@@ -113,6 +113,7 @@ class FSDP2Engine(FSDPEngine):
     def validate_args(cls, args):
         if args.deepspeed_config:
             raise ValueError("--deepspeed_config is given but --engine is fsdp2; add --engine deepspeed")
+        check_cpu_offload(args)
         if args.fsdp_sharding_startegy not in SHARDING:
             raise ValueError(f"--fsdp_sharding_startegy {args.fsdp_sharding_startegy} has no FSDP2 form (FSDP2 "
                              f"shards: {', '.join(SHARDING)}); use --engine fsdp for NO_SHARD")
@@ -123,9 +124,6 @@ class FSDP2Engine(FSDPEngine):
             return super().build(args, family, raw, device, world_size)
         weight_type = resolve_weight_type(args.master_weight_type, family.gpu_fsdp_weight_type, device,
                                           args.mixed_precision)
-        if args.use_cpu_offload and torch.device(device).type == "cpu":
-            raise ConfigError("--use_cpu_offload with --engine fsdp2 on a CPU run: the parameters are on the CPU "
-                              "already; drop the flag")
         model = shard_transformer(args, family, raw, device, world_size, weight_type)
         optimizer, scheduler = build_optimizer(args, model)
         return cls(model, optimizer, scheduler, args.max_grad_norm, sharded=True, weight_type=weight_type)

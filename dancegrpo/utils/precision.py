@@ -13,7 +13,7 @@ import contextlib
 
 import torch
 
-from ..choices import PRECISIONS as CHOICES
+from ..choices import PRECISIONS as CHOICES  # noqa: F401  (the flag's choices, read by the tests)
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

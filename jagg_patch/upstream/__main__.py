@@ -14,7 +14,7 @@ import sys
 from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.launch import launch_rank
 
-from ..cli import add_jagg_args, check_trajectory, fail, jagg_config, jagg_plan_text, monitor_for_auto
+from ..cli import add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto
 from ..settings import resolve_backward
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
 from .loader import load_trainer, run_main_block
@@ -30,22 +30,24 @@ its own flags follow the file, unchanged. A train_one_step that is no release th
 written for (an edited line) runs as it is, its own code, with the backward deferred (said in one
 line); so does train_grpo_sd.py (its model prepared by accelerate). JAGG flags (removed before
 upstream's parser sees the argv):
-  --jagg_window W (4)  --jagg_frac F (0.6)  --jagg_mode jagg|endpoints|exact
-  --jagg_alpha timestep|index  --jagg_grouping trained|window
-  --jagg_backward auto|joint|split|batched (auto: batched on several ranks, split on one)
-  --jagg_reuse_rollout off|on_policy|always (on_policy)
-  --jagg_monitor_every N (0: off)  --jagg_min_cos C (0.8)   the live fidelity monitor and --jagg_frac auto;
-      upstream's micro-batch is one sample: the monitor measures each rank's first sample of the step
-  --jagg_deferred   the file's own train_one_step, unedited, through the deferred proxy
-  --jagg_allow_upstream_changes   run although the file differs from what the adapter relies on
-  --jagg_fingerprint               print the file's fingerprint (family, parameters, token hash, known
-                                   release), exit
+JAGG_FLAGS
+--jagg_backward auto: batched on several ranks, split on one. --jagg_monitor_every N (0: off) and
+--jagg_min_cos: the live fidelity monitor and --jagg_frac auto; upstream's micro-batch is one
+sample: the monitor measures each rank's first sample of the step. --jagg_deferred: the file's own
+train_one_step, unedited, through the deferred proxy. --jagg_allow_upstream_changes: run although
+the file differs from what the adapter relies on. --jagg_fingerprint: print the file's fingerprint
+(family, parameters, token hash, known release), exit.
 --jagg_mode exact runs upstream's own step as it is (its gradients, returns and RNG draws).
 """
 
 
+def usage():
+    """USAGE with the JAGG flags as the parser has them."""
+    return USAGE.replace("JAGG_FLAGS", flags_text(jagg_parser()))
+
+
 def jagg_parser():
-    parser = add_jagg_args(argparse.ArgumentParser(prog="python -m jagg_patch.upstream", usage=USAGE,
+    parser = add_jagg_args(argparse.ArgumentParser(prog="python -m jagg_patch.upstream", usage=argparse.SUPPRESS,
                                                    add_help=False, allow_abbrev=False))
     parser.add_argument("--jagg_allow_upstream_changes", action="store_true",
                         help="Warn instead of stopping when upstream's functions differ from what the adapter "
@@ -61,12 +63,28 @@ def split_argv(argv):
     they are taken out."""
     parser = jagg_parser()
     before, rest = _take_jagg_flags(parser, argv, stop_at_positional=True)
+    known = {o for a in parser._actions for o in a.option_strings}
+    unknown = [a for a in rest[:1] + [a for a in rest[1:] if a.startswith("--jagg")]
+               if a.startswith("-") and a.split("=", 1)[0] not in known]
+    if unknown:
+        fail(unknown_flag(parser, unknown[0].split("=", 1)[0]))
     if not rest or rest[0].startswith("-"):
         fail(f"no trainer file given before {rest[0]!r} (e.g. fastvideo/train_grpo_flux.py); see --help" if rest else
              "no trainer file given (e.g. fastvideo/train_grpo_flux.py); see --help")
     kind = check_trainer_path(rest[0])
     jagg_tokens, upstream_flags = _take_jagg_flags(parser, rest[1:])
     return parser.parse_args(before + jagg_tokens), rest[0], upstream_flags, kind
+
+
+def unknown_flag(parser, flag):
+    """One line for a flag the adapter does not know where only its own flags may stand (before the
+    trainer file) or that looks like one of them (--jagg_*), naming the closest."""
+    import difflib
+    known = [o for a in parser._actions for o in a.option_strings]
+    close = difflib.get_close_matches(flag, known, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    where = "" if flag.startswith("--jagg") else " before the trainer file (upstream's flags go after it)"
+    return f"unknown flag {flag}{where}; {hint}see --help"
 
 
 def check_trainer_path(path):
@@ -126,6 +144,10 @@ def preflight(upstream_args, jagg, family, trainer=None, update="restated"):
     if FAMILIES[family].needs_group and not getattr(upstream_args, "use_group", False):
         fail(needs_group(family) + "; add --use_group")
     per_rank = upstream_args.train_batch_size * (upstream_args.num_generations if upstream_args.use_group else 1)
+    try:
+        rules.check_flags(upstream_args)
+    except ValueError as e:
+        fail(str(e))
     trained = rules.trained_samples(upstream_args, per_rank)
     if upstream_args.gradient_accumulation_steps > trained:
         fail(f"--gradient_accumulation_steps {upstream_args.gradient_accumulation_steps} exceeds the {trained} "
@@ -146,6 +168,9 @@ def preflight(upstream_args, jagg, family, trainer=None, update="restated"):
         if trainer is not None:
             print(f"jagg_patch.upstream: {trainer.describe()}", flush=True)
         print(plan, flush=True)
+        notice = rules.notice(upstream_args, per_rank)
+        if notice:
+            print(notice, flush=True)
         if FAMILIES[family].plan_note and jagg.jagg_alpha == "timestep":
             print(FAMILIES[family].plan_note, flush=True)
         if jagg.jagg_frac == "auto" and getattr(upstream_args, "resume_from_checkpoint", None):
@@ -190,7 +215,7 @@ def load_or_fail(script):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         sys.exit(0 if argv else 2)
     jagg, script, upstream_argv, kind = split_argv(argv)
     monitor_for_auto(jagg)
@@ -212,6 +237,7 @@ def main(argv=None):
     trainer, update = module.train_one_step.jagg_trainer, module.train_one_step.jagg_update
 
     def checked_main(args):
+        check_output_dir(args)
         preflight(args, jagg, family, trainer, update)
         # lowered to the samples a rank trains (the update measures that many too), or auto's backward
         # turned to one the trainer runs
@@ -223,6 +249,18 @@ def main(argv=None):
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name
     run_deferred_errors(lambda: run_main_block(module, upstream_argv))
     return 0
+
+
+def check_output_dir(args):
+    """The folder jagg_metrics.jsonl goes to, proved writable before upstream's main loads anything
+    (the trainers' rule; it was found unwritable only after a step had trained)."""
+    from dancegrpo.errors import ConfigError
+    from dancegrpo.run.rundir import check_writable
+    if getattr(args, "output_dir", None):
+        try:
+            check_writable(args.output_dir)
+        except ConfigError as e:
+            fail(str(e))
 
 
 def run_deferred_errors(fn):

@@ -15,6 +15,16 @@ def test_what_fsdp2_cannot_map_is_refused_at_parse_time(make_args, capsys, flags
     assert stop.value.code == 2 and message in err.splitlines()[0] and "Traceback" not in err
 
 
+@pytest.mark.parametrize("engine", ["fsdp", "fsdp2"])
+def test_cpu_offload_without_a_gpu_is_one_line_at_parse_time(make_args, capsys, engine):
+    """FSDP1 failed at the first forward of a CPU run with it; both engines now answer at the parse."""
+    with pytest.raises(SystemExit) as stop:
+        make_args("--engine", engine, "--use_cpu_offload")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--use_cpu_offload with --engine " + engine in err.splitlines()[0]
+    assert "drop the flag" in err and "Traceback" not in err
+
+
 def test_one_process_fsdp2_is_the_plain_model(make_args):
     from dancegrpo import train_grpo_flux
     from dancegrpo.engines import FSDP2Engine

@@ -51,6 +51,31 @@ def test_unknown_trainer_module_is_an_error(capsys):
     assert "cannot import trainer module" in capsys.readouterr().err
 
 
+def test_a_module_that_is_no_trainer_is_one_line(capsys):
+    assert helpers.run_main("jagg_patch", "json") == 2
+    err = capsys.readouterr().err
+    assert "'json' is no trainer module (it has no build_parser); give one of dancegrpo.train_grpo_flux" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("tool", ["jagg_patch", "jagg_patch.upstream"])
+def test_the_usage_lists_every_jagg_flag_with_the_parsers_default(tool, capsys):
+    """The usage text is made from the parser: each --jagg_ flag, its values and its default."""
+    import argparse
+    from jagg_patch.cli import add_jagg_args
+    assert helpers.run_main(tool, "--help") == 0
+    usage = capsys.readouterr().out
+    for action in add_jagg_args(argparse.ArgumentParser())._actions:
+        flag = action.option_strings[-1]
+        if not flag.startswith("--jagg_"):
+            continue
+        assert flag in usage, flag
+        if action.choices:
+            assert f"{flag} {'|'.join(action.choices)}" in usage, flag
+        if action.default not in (None, False):
+            assert f" ({action.default})" in usage.split(flag, 1)[1].split("--", 1)[0], flag
+
+
 def test_launch_tiny_prints_plan_and_saves_backwards(cache_dir, tmp_path, capsys):
     """`python -m jagg_patch` (in this process: helpers.run_main; under torchrun below)."""
     assert helpers.run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,

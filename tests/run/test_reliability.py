@@ -553,6 +553,29 @@ def test_tiny_preset_splits_its_batch_over_ranks():
     assert two["gradient_accumulation_steps"] * 2 == one["gradient_accumulation_steps"]
 
 
+@pytest.mark.parametrize("given", [(), ("--gradient_accumulation_steps", "32")])
+def test_a_world_size_the_tiny_preset_cannot_split_is_refused_before_it_builds(given, tmp_path, monkeypatch, capsys):
+    """3 ranks: 8 prompts do not split (the floor would train 6 of them, GA 128 // 3 is no count of
+    samples); said in one line naming the world sizes that do, whatever else is given."""
+    from dancegrpo import presets
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    monkeypatch.setattr(presets, "materialize_preset", lambda *a: pytest.fail("built the preset before refusing"))
+    with pytest.raises(SystemExit) as stop:
+        train_grpo_flux.parse_args(train_grpo_flux.build_parser(), ["--preset", "tiny", "--cache_dir", str(tmp_path),
+                                                                    "--output_dir", str(tmp_path / "o"), *given])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "which 3 ranks cannot split evenly: launch 1, 2, 4 or 8 ranks" in err, err
+    assert "--gradient_accumulation_steps 42" not in err
+
+
+def test_the_tiny_preset_on_3_ranks_trains_the_batch_given_by_hand(cache_dir, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    args = train_grpo_flux.parse_args(train_grpo_flux.build_parser(),
+                                      ["--preset", "tiny", "--cache_dir", cache_dir, "--output_dir", "/tmp/unused",
+                                       "--train_batch_size", "1", "--gradient_accumulation_steps", "16"])
+    assert (args.train_batch_size, args.gradient_accumulation_steps) == (1, 16)
+
+
 # ------------------------------------------------------------------ 8. disk
 def test_checkpoints_total_limit_keeps_the_newest(make_args, tmp_path, monkeypatch):
     out = tmp_path / "out"

@@ -98,6 +98,17 @@ class UpstreamFamily:
         """Refuse, before the rollout, prompt tensors the restated step would pass on wrongly."""
 
     @staticmethod
+    def check_flags(args):
+        """Refuse, at the launcher's preflight (before anything loads), flag values of this trainer's
+        own that no step can run with."""
+
+    @staticmethod
+    def notice(args, rows):
+        """A line the preflight says about flags this trainer runs with as upstream does but which
+        train less than a user would expect (None: nothing to say); `rows`: the samples per rank."""
+        return None
+
+    @staticmethod
     def check_run(args, backward, rows=None):
         """Refuse, before the rollout, flags this trainer's step cannot run with (`backward`: the
         resolved backward form; `rows`: the samples the rollout draws, None where not yet known)."""

@@ -92,15 +92,32 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
         return rows if args.num_generations == args.bestofn else args.bestofn
 
     @staticmethod
-    def check_run(args, backward, rows=None):
+    def check_flags(args):
+        if args.bestofn < 1:
+            raise ValueError(f"--bestofn must be at least 1, got {args.bestofn}")
+
+    @staticmethod
+    def notice(args, rows):
+        """Without --use_group the advantages are still taken per block of num_generations rows of the
+        rank's batch (upstream's): rows after the last whole block get 0 and train nothing."""
+        g = args.num_generations
+        idle = rows % g if g > 0 else rows
+        if args.use_group or idle == 0:
+            return None
+        what = "every sample gets" if idle == rows else f"{idle} of the {rows} samples get"
+        return (f"notice: without --use_group HunyuanVideo's advantages are taken per block of --num_generations "
+                f"{g} rows of the rank's {rows}: {what} advantage 0 and train nothing (as upstream); add "
+                "--use_group, or make the rank's batch a multiple of --num_generations")
+
+    @classmethod
+    def check_run(cls, args, backward, rows=None):
+        cls.check_flags(args)
         # Up to 2 * rows the top and the bottom overlap and upstream trains those samples twice (reproduced);
         # beyond, its selection holds fewer than bestofn rows and its per-sample draw fails indexing them.
         if rows is not None and args.num_generations != args.bestofn and (args.bestofn + 1) // 2 > rows:
             raise ValueError(f"--bestofn {args.bestofn} needs at least {(args.bestofn + 1) // 2} samples per rank, "
                              f"the rank draws {rows}: upstream's best-of-n would select fewer than --bestofn samples "
                              "and fail indexing them; lower --bestofn")
-        if args.bestofn < 1:
-            raise ValueError(f"--bestofn must be at least 1, got {args.bestofn}")
 
     @classmethod
     def sample_loss(cls, log_prob, old, advantages, normaliser, args):

@@ -477,6 +477,24 @@ def test_preflight_refuses_what_upstream_would_fail_on_before_main_loads_anythin
     assert "JAGG plan" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("standins_known")
+def test_an_unwritable_output_dir_is_one_line_before_upstreams_main_loads(cache_dir, tmp_path, capsys, monkeypatch):
+    """jagg_metrics.jsonl's folder is proved writable first (it was found unwritable after step 1)."""
+    from jagg_patch.upstream.__main__ import main
+    module_main = []
+    (tmp_path / "file").write_text("x")
+    monkeypatch.chdir(tmp_path)
+    import jagg_patch.upstream.__main__ as launcher
+    real_preflight = launcher.preflight
+    monkeypatch.setattr(launcher, "preflight", lambda *a: module_main.append(1) or real_preflight(*a))
+    with pytest.raises(SystemExit) as stop:
+        main([standin_file("flux"), "--cache_dir", cache_dir, "--output_dir", str(tmp_path / "file" / "out"),
+              "--use_group", "--num_generations", str(B), "--gradient_accumulation_steps", str(B)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "is not writable" in err and len(err.strip().splitlines()) == 1, err
+    assert module_main == [] and not (tmp_path / "reward.txt").exists()
+
+
 def test_fingerprint_command_prints_what_to_record(capsys):
     from jagg_patch.upstream.__main__ import main
     assert main(["--jagg_fingerprint", standin_file("flux_lora")]) == 0
@@ -521,13 +539,17 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     (["{tmp}/plain.py"], "has no function train_one_step"),
     (["{tmp}/raises.py"], "its top-level code raised ZeroDivisionError"),
     (["--jagg_window", "4"], "no trainer file given"),
-    (["--jagg_window", "4", "--use_group", "x.py"], "no trainer file given before '--use_group'"),
+    (["--jagg_window", "4", "--use_group", "x.py"], "unknown flag --use_group before the trainer file (upstream's "
+                                                    "flags go after it)"),
+    (["--jagg_windw", "4", "x.py"], "unknown flag --jagg_windw; did you mean --jagg_window?"),
+    (["x.py", "--use_group", "--jagg_fraq", "1"], "unknown flag --jagg_fraq; did you mean --jagg_frac?"),
     (["{tmp}/fastvideo/train_grpo_sd.py"], "No module named 'absl_not_installed' (run it with upstream's "
                                            "environment"),
     (["{tmp}/fastvideo/train_grpo_hunyuan.py"], "No module named 'wandb_not_installed'"),
     (["{tmp}/linked.py"], "No module named 'wandb_not_installed'"),
     (["{tmp}/renamed_sd.py"], "renamed_sd.py has no function train_one_step")],
-    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "sd-without-its-packages",
+    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "jagg-typo-first",
+         "jagg-typo-after", "sd-without-its-packages",
          "hunyuan-93ec253-without-its-packages", "link-to-it", "sd-shape-under-another-name"])
 def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
     from jagg_patch.upstream.__main__ import main

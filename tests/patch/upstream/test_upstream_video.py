@@ -194,6 +194,24 @@ def test_the_launcher_plans_video_in_mib_and_turns_auto_to_split_where_batched_c
     assert stop.value.code == 2 and "--jagg_backward batched with --cfg_infer 5.0" in capsys.readouterr().err
 
 
+def test_hunyuan_flags_that_train_nothing_are_named_at_the_preflight(capsys):
+    """--bestofn 0 is named as itself (it was blamed on --gradient_accumulation_steps); a batch with no
+    whole block of num_generations without --use_group runs as upstream (loss 0) with a notice."""
+    import argparse
+    from jagg_patch.upstream.__main__ import jagg_parser, preflight
+    flags = dict(use_group=True, train_batch_size=1, num_generations=4, gradient_accumulation_steps=2,
+                 sampling_steps=8, timestep_fraction=0.6, h=64, w=64, t=1, bestofn=0, vq_coef=1.0, mq_coef=0.0)
+    with pytest.raises(SystemExit) as stop:
+        preflight(argparse.Namespace(**flags), jagg_parser().parse_args([]), "hunyuan")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "--bestofn must be at least 1, got 0" in err and "gradient_acc" not in err
+    idle = dict(flags, use_group=False, train_batch_size=2, num_generations=3, bestofn=3)
+    preflight(argparse.Namespace(**idle), jagg_parser().parse_args([]), "hunyuan")
+    assert "every sample gets advantage 0 and train nothing (as upstream)" in capsys.readouterr().out
+    preflight(argparse.Namespace(**dict(idle, train_batch_size=3)), jagg_parser().parse_args([]), "hunyuan")
+    assert "notice" not in capsys.readouterr().out
+
+
 def test_a_hunyuan_run_through_the_launcher_is_read_by_compare(tmp_path):
     """`python -m jagg_patch.upstream` on the HunyuanVideo stand-in: both reward files in the working folder,
     both rewards in jagg_metrics.jsonl, and compare reads the run folder and the plain reward files."""
