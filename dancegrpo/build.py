@@ -13,6 +13,7 @@ from .engines import build_engine
 from .utils.precision import compute_autocast, describe_precision
 from .rewards import WeightedReward
 from .run.resume import tool_plan
+from .run.run_config import config_id, snapshot
 from .utils import checkpoint as ckpt
 from .utils.activation_meter import ActivationMeter
 from .utils.communications import init_distributed
@@ -20,6 +21,12 @@ from .utils.data import PromptEmbeddingDataset, infinite_prompt_batches
 from .utils.ema import ParamEMA
 from .utils.metrics import PassCounter
 from .utils.state_bytes import describe_bytes, per_rank_bytes
+
+
+def record_labels(args, seed, world_size, device):
+    """{precision, config_id} of the run (TrainContext.record_labels)."""
+    return {"precision": describe_precision(device, args.mixed_precision),
+            "config_id": config_id(snapshot(args, seed, world_size))}
 
 
 @dataclass
@@ -52,6 +59,9 @@ class TrainContext:
     num_trainable: int = 0
     adapter: object = None            # what is trained (dancegrpo.adapters): weights format, reference, banner
     reference: object = None          # the frozen reference policy of the KL term (--kl_beta > 0)
+    # What every step record says the run is: its precision and config_id (equal over a resumed run's
+    # segments unless --allow_config_change changed a flag), for the tools that compare runs.
+    record_labels: dict = field(default_factory=dict)
 
     # The engine owns the optimizer and its schedule; these are its, never copies.
     @property
@@ -103,7 +113,8 @@ def setup(args, family, plan=None):
                        device=device, counter=PassCounter(raw), sigmas=sigmas, timesteps=model_timesteps(sigmas),
                        rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step,
                        resumed_update_state=(state or {}).get("policy_update"), resumed_from=resume,
-                       dataset=dataset, num_params=num_params, num_trainable=num_trainable, adapter=adapter)
+                       dataset=dataset, num_params=num_params, num_trainable=num_trainable, adapter=adapter,
+                       record_labels=record_labels(args, seed, world_size, device))
     if args.kl_beta > 0:
         def run(module, latents, timesteps, cond):
             with compute_autocast(device, args.mixed_precision):

@@ -154,6 +154,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         "train_timesteps": prepared.selection.num_train,
         "optimizer_steps": len(grad_norms),
         "world_size": ctx.world_size,
+        **ctx.record_labels,
         # The largest rank's peak of tensors saved for backward during the update.
         "activation_peak_mb": all_reduce_max(ctx.activation_meter.peak_mb, ctx.device),
         **ctx.ratio_meter.summary(ctx.device),   # ratio mean / min / max, clip_frac, approx_kl

@@ -50,6 +50,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.errors", "RunHalted", None),
     ("dancegrpo.errors", "is_disk_full", ("error",)),
     ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
+    ("dancegrpo.run.rundir", "check_writable", ("output_dir",)),
     ("dancegrpo.engines.probe", "GradProbe", ("params",)),
     ("dancegrpo.engines.base", "Engine", None),
     ("dancegrpo.algo.grpo", "TrainSelection", None),

@@ -28,6 +28,14 @@ def snapshot(args, seed, world_size):
     return config
 
 
+def config_id(config):
+    """A short digest of the flags that change a run (and the rank count): equal over the segments of
+    a resumed run, different where --allow_config_change let a flag change."""
+    import hashlib
+    kept = {k: v for k, v in config.items() if k not in NEUTRAL}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def world_size_change(saved, current):
     """(saved, current) rank counts when they differ, else None (a checkpoint that predates the
     record is taken as written by the current count)."""

@@ -35,9 +35,11 @@ With --out DIR: comparison.json (all numbers), comparison.csv (one row per run),
 
 Bad input (missing folder, no or empty metrics.jsonl, a malformed line before the last) prints
 an error and exits with status 2. Printed as warnings, the numbers still shown: a torn last line
-(a run killed mid-write; read as missing), NaN/inf in a run's reward, loss or grad norm (the run
-is marked NON-FINITE and its reward is not ranked), runs of different lengths, and fewer than
-MIN_TIMED_STEPS timed steps (too few for a timing claim).
+(a run killed mid-write; read as missing), NaN/inf in a run's reward, loss, grad norm or PPO ratio
+statistics (the run is marked NON-FINITE and its reward is not ranked), runs of different lengths,
+models, presets, rank counts or precisions, a run resumed with --allow_config_change (its steps
+of two configurations: the records' config_id), and fewer than MIN_TIMED_STEPS timed steps (too
+few for a timing claim). comparison.json is strict JSON: a number a run could not give is null.
 """
 import argparse
 import csv
@@ -54,11 +56,12 @@ from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
 
 from .compare_plots import fidelity_curves, write_plots
-from .reports import output_errors
+from .reports import json_text, output_errors
 from .run_records import CompareError, load_metrics, warn
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
-FINITE_FIELDS = ("reward_mean", "loss", "grad_norm")
+# A NaN in any of these means the run diverged (a NaN ratio: its log-probs were NaN).
+FINITE_FIELDS = ("reward_mean", "loss", "grad_norm", "ratio_mean", "ratio_min", "ratio_max", "approx_kl")
 MIN_TIMED_STEPS = 3
 
 
@@ -148,10 +151,26 @@ def run_setup(run_dir, records):
                 config = {}
     last = records[-1]
     return dict(family=last.get("family", config.get("family")), preset=config.get("preset"),
-                world_size=last.get("world_size", config.get("world_size")))
+                world_size=last.get("world_size", config.get("world_size")),
+                precision=last.get("precision"))
 
 
-SETUP_WORDS = {"family": "models", "preset": "presets", "world_size": "rank counts"}
+SETUP_WORDS = {"family": "models", "preset": "presets", "world_size": "rank counts", "precision": "precisions"}
+
+
+def warn_mixed_configurations(label, records):
+    """A run resumed with --allow_config_change holds steps of two configurations (the trainer's records
+    carry config_id, a digest of the flags that change a run): its curve and medians mix them."""
+    starts, last = [], None
+    for r in records:
+        cid = r.get("config_id")
+        if cid is not None and cid != last:
+            starts.append(r["step"])
+            last = cid
+    if len(starts) > 1:
+        warn(f"run {label!r} was trained with {len(starts)} configurations (from steps {starts}; resumed with "
+             "--allow_config_change): its curve and medians mix them; each checkpoint's run_config.json says "
+             "which flags it ran with")
 
 
 def warn_across_setups(rows):
@@ -184,6 +203,7 @@ def compare(run_dirs, labels=None, ma_window=10, skip_first=1):
         elif row["timed_steps"] < MIN_TIMED_STEPS:
             warn(f"run {label!r} has {row['timed_steps']} timed step(s) after the warm-up: too few for a timing "
                  f"claim (want >= {MIN_TIMED_STEPS})")
+        warn_mixed_configurations(label, records)
         row["run_dir"] = run_dir
         row.update(run_setup(run_dir, records))
         rows.append(row)
@@ -241,7 +261,7 @@ def markdown_table(rows):
 
 
 def write_outputs(out_dir, rows, curves, plots=True):
-    write_text(os.path.join(out_dir, "comparison.json"), json.dumps({"runs": rows, "curves": curves}, indent=1))
+    write_text(os.path.join(out_dir, "comparison.json"), json_text({"runs": rows, "curves": curves}))
     write_text(os.path.join(out_dir, "comparison.csv"), _csv_text(list(rows[0]), [list(r.values()) for r in rows]))
     write_text(os.path.join(out_dir, "comparison.md"), markdown_table(rows) + "\n")
     write_text(os.path.join(out_dir, "rewards.csv"), _csv_text(

@@ -15,7 +15,6 @@ A variant missing from some seed, or a seed lacking the final evaluation of a va
 error naming the folder: the mean would silently average different seed sets.
 """
 import argparse
-import json
 import math
 import os
 import re
@@ -27,7 +26,7 @@ from dancegrpo.utils.plots import plot_mean_spread
 
 from .compare import summarize
 from .run_records import CompareError, load_metrics, read_json
-from .reports import output_errors
+from .reports import json_text, output_errors
 
 LABEL = re.compile(r"^(?P<variant>.+)@(?P<step>\d+)$")
 
@@ -155,7 +154,7 @@ def report(root, metric="digit_heldout", ma_window=5, out=None, title=None, vari
                               (f"{metric} of fixed-noise samples: mean, min..max over seeds", metric, held)], title)
             write_text(os.path.join(out, "report.md"), text + "\n")
             write_text(os.path.join(out, "report.json"),
-                       json.dumps({"rows": rows, "train_curves": train, "eval_curves": held}, indent=1))
+                       json_text({"rows": rows, "train_curves": train, "eval_curves": held}))
     return rows, text
 
 

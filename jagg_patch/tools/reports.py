@@ -4,6 +4,7 @@ cannot be written is one line (exit 2), a full disk one line (exit 3), through
 dancegrpo.errors.exit_on_config_error as every command line's other errors."""
 import contextlib
 import json
+import math
 import os
 
 from dancegrpo.errors import ConfigError, RunHalted, is_disk_full
@@ -32,8 +33,25 @@ def output_errors(out):
                           "to") from None
 
 
+def finite_or_null(value):
+    """`value` with every NaN / inf float turned to None: JSON has no NaN (json.dumps would write a bare
+    NaN, which strict readers refuse); a number a run could not give is null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_null(v) for v in value]
+    return value
+
+
+def json_text(value):
+    """Strict JSON of a tool's numbers (NaN / inf as null)."""
+    return json.dumps(finite_or_null(value), indent=1, allow_nan=False)
+
+
 def print_and_write(report, result, json_path=None, md_path=None):
     print(report, flush=True)
-    for path, text in ((json_path, json.dumps(result, indent=1)), (md_path, report + "\n")):
+    for path, text in ((json_path, json_text(result)), (md_path, report + "\n")):
         if path:
             write_text(path, text)

@@ -24,7 +24,6 @@ as the ratio's ±): auto trains a fixed fraction's runs bit for bit when it rout
 pareto.png (metric against the ratio, seeds' sd and the ratio's spread as error bars) under --out.
 """
 import argparse
-import json
 import math
 import os
 import re
@@ -35,7 +34,7 @@ from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
 
 from .run_records import CompareError, load_metrics, read_json
-from .reports import output_errors
+from .reports import json_text, output_errors
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
 
@@ -268,7 +267,7 @@ def run_command(args):
     if args.out:
         with output_errors(args.out):
             write_text(os.path.join(args.out, "tradeoff.md"), text + "\n")
-            write_text(os.path.join(args.out, "tradeoff.json"), json.dumps(dict(rows=rows, verdict=verdict), indent=1))
+            write_text(os.path.join(args.out, "tradeoff.json"), json_text(dict(rows=rows, verdict=verdict)))
             plot_pareto(os.path.join(args.out, "pareto.png"), [(args.title or os.path.basename(args.root), rows)],
                         args.metric)
     return rows, verdict

@@ -297,6 +297,10 @@ def test_resume_without_seed_uses_the_checkpoints_seed(make_args, tmp_path, caps
     assert "using the checkpoint's seed 7" in capsys.readouterr().out
     wa, wb = weights(tmp_path / "a" / "checkpoint-2-0"), weights(tmp_path / "b" / "checkpoint-2-0")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    # every step says the run's precision and configuration: the same over the resumed run's segments
+    records = read_metrics(tmp_path / "b")
+    assert [r["precision"] for r in records] == ["float32"] * 2 and records[0]["run_id"] != records[1]["run_id"]
+    assert records[0]["config_id"] == records[1]["config_id"] == read_metrics(tmp_path / "a")[0]["config_id"]
 
 
 def test_resume_with_changed_flags_lists_them(make_args, tmp_path, capsys):
@@ -311,6 +315,10 @@ def test_resume_with_changed_flags_lists_them(make_args, tmp_path, capsys):
                                    "--resume_from_checkpoint", "latest", "--allow_config_change"))
     assert "warning: --allow_config_change" in capsys.readouterr().out
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
+    # compare reads the folder as one run of two configurations, and says so
+    from jagg_patch.tools.compare import compare
+    compare([str(out)])
+    assert "run 'out' was trained with 2 configurations (from steps [1, 2]" in capsys.readouterr().err
 
 
 def test_latest_skips_weights_only_and_corrupt_checkpoints(make_args, tmp_path, capsys):

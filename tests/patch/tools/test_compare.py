@@ -230,6 +230,40 @@ def test_runs_of_different_models_presets_or_ranks_are_warned_about(two_runs, ca
     assert said in err and err.count("the runs are of different") == 1
 
 
+def _set_in_records(run_dir, **values):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    records = [dict(json.loads(line), **values) for line in open(path)]
+    with open(path, "w") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_runs_of_different_precisions_are_warned_about(two_runs, capsys):
+    _set_in_records(two_runs[0], precision="float32")
+    _set_in_records(two_runs[1], precision="bf16 autocast")
+    compare(list(two_runs), ["vanilla", "jagg"])
+    assert "different precisions (vanilla: float32, jagg: bf16 autocast)" in capsys.readouterr().err
+    _set_in_records(two_runs[1], precision="float32")
+    compare(list(two_runs), ["vanilla", "jagg"])
+    assert "different precisions" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("field", ["ratio_max", "approx_kl"])
+def test_a_nan_ratio_statistic_flags_the_run_and_comparison_json_stays_json(two_runs, tmp_path, capsys, field):
+    """A NaN ratio means NaN log-probs (the run diverged); comparison.json holds null for numbers a run
+    could not give (a bare NaN is no JSON)."""
+    path = os.path.join(two_runs[1], "metrics.jsonl")
+    with open(path, "a") as f:
+        f.write(json.dumps(dict(dict(step=5, reward_mean=1.0, step_time_s=3.0, rollout_time_s=2.0, update_time_s=1.0,
+                                     ratio_min=0.9, ratio_max=1.1, approx_kl=1e-6, **COUNTS_JAGG),
+                                **{field: float("nan")})) + "\n")
+    main([*two_runs, "--labels", "vanilla,jagg", "--out", str(tmp_path / "cmp"), "--no_plots"])
+    err = capsys.readouterr().err
+    assert f"run 'jagg' has non-finite values ({field} at steps [5])" in err, err
+    text = (tmp_path / "cmp" / "comparison.json").read_text()
+    data = json.loads(text, parse_constant=lambda c: pytest.fail(f"bare {c} in comparison.json"))
+    assert data["runs"][1]["final_ma_reward"] is None and data["runs"][1]["nonfinite"]
+
+
 def test_two_runs_in_one_metrics_file_are_warned_about(tmp_path, capsys):
     lines = [json.dumps(dict(step=s, reward_mean=1.0, step_time_s=1.0, run_id=run)) for run in ("a", "b")
              for s in (1, 2)]
