@@ -239,6 +239,25 @@ def check_trajectory(args, min_cos_used=None):
         fail(f"--jagg_grouping window needs --jagg_window <= S-1 = {args.sampling_steps - 1} trainable "
              f"transitions (--sampling_steps {args.sampling_steps}), got {args.jagg_window}; lower --jagg_window "
              "or raise --sampling_steps")
+    fit_window_to_trained(args)
+
+
+def trained_per_sample(args):
+    """The transitions one sample trains: its SDE window (Flow-GRPO-Fast) or timestep_fraction's share."""
+    from dancegrpo.algo.grpo import num_train_timesteps
+    return getattr(args, "sde_window_size", 0) or num_train_timesteps(args.sampling_steps - 1, args.timestep_fraction)
+
+
+def fit_window_to_trained(args):
+    """A window wider than the transitions a sample trains groups them all in one group, as a window of
+    exactly that many does: the flag is set to the window built (said once), so that the plan, the
+    records, run_config.json and a resume's comparison all hold the window that ran."""
+    trained = trained_per_sample(args)
+    if args.jagg_grouping != "trained" or args.jagg_window <= max(trained, 2):
+        return
+    print_on_rank0(f"notice: --jagg_window {args.jagg_window} is wider than the {trained} transitions a sample "
+                   f"trains: one group of all {trained}, run and recorded as --jagg_window {max(trained, 2)}")
+    args.jagg_window = max(trained, 2)
 
 
 def jagg_plan_text(args, output_bytes=None):
@@ -246,19 +265,14 @@ def jagg_plan_text(args, output_bytes=None):
     output_bytes(args): the bytes per sample of the kept rollout outputs (default: an image model's,
     rollout_output_bytes), or None where the flags alone do not size them."""
     output_bytes = rollout_output_bytes if output_bytes is None else output_bytes
-    from dancegrpo.algo.grpo import num_train_timesteps
     num_transitions = args.sampling_steps - 1  # the last transition is never trained
     window = getattr(args, "sde_window_size", 0)
-    n_vanilla = window or num_train_timesteps(num_transitions, args.timestep_fraction)
+    n_vanilla = trained_per_sample(args)
     deferred = getattr(args, "jagg_deferred", False)
     backward = "deferred" if deferred else resolve_backward(args.jagg_backward)
     shown = backward if deferred or args.jagg_backward != "auto" else f"auto -> {backward}"
-    window_shown = args.jagg_window
-    if args.jagg_grouping == "trained" and args.jagg_window > n_vanilla:
-        # a sample trains fewer transitions than the window: its one group is all of them
-        window_shown = f"{args.jagg_window} -> {n_vanilla}, the {n_vanilla} transitions a sample trains"
     head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {shown}, "
-            f"mode {args.jagg_mode}, window {window_shown}, jagg_frac {args.jagg_frac}): "
+            f"mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
             f"S={args.sampling_steps} -> {num_transitions} trainable transitions; ")
     if args.jagg_grouping == "trained":
         groups = plan_groups(range(n_vanilla), args.jagg_window, _plan_fraction(args))

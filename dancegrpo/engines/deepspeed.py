@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from ..utils.fsdp_util import apply_activation_checkpointing
+from ..utils.launch import print_on_rank0
 from ..utils.precision import compute_dtype
 from .base import Engine, build_optimizer
 
@@ -68,9 +69,15 @@ def engine_config(settings, args, device):
     if device.type != "cuda":
         # CPU: no fp16 (no loss scaling here); the config's bf16 only where the run computes in bf16
         # (--mixed_precision bf16), else a float32 run.
+        dropped = [key for key in ("fp16", "bf16") if (config.get(key) or {}).get("enabled")]
         config["fp16"] = {"enabled": False}
         if compute_dtype(device, args.mixed_precision) != torch.bfloat16:
             config["bf16"] = {"enabled": False}
+        dropped = [key for key in dropped if not config[key]["enabled"]]
+        if dropped:
+            print_on_rank0(f"notice: the DeepSpeed config's {' and '.join(dropped)} is turned off on CPU (no loss "
+                           "scaling here; bf16 only with --mixed_precision bf16): the engine holds float32 weights "
+                           "and gradients")
     return config
 
 

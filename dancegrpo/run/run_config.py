@@ -50,5 +50,11 @@ def differences(saved, current):
             if saved.get(k, MISSING) != current.get(k, MISSING)]
 
 
+def _said(value):
+    """A flag's value as a user typed it; None is a flag left at its default (e.g. --mixed_precision's
+    float32 on CPU), which a user never types as None."""
+    return "not given (its default)" if value is None else repr(value)
+
+
 def describe_differences(diffs):
-    return "; ".join(f"--{k}: {old!r} in the checkpoint, {new!r} now" for k, old, new in diffs)
+    return "; ".join(f"--{k}: {_said(old)} in the checkpoint, {_said(new)} now" for k, old, new in diffs)

@@ -158,7 +158,13 @@ def format_table(rows, settings=SETTINGS):
     return "\n".join(lines)
 
 
-def main():
+def main(argv=None):
+    """The table takes no argument: any given (a typo, a flag of another tool) is an error, not ignored."""
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m jagg_patch.tools.cost_model", allow_abbrev=False,
+                                     description=__doc__.split("\n\n")[0],
+                                     epilog="It takes no arguments; the model's settings are the paper's.")
+    parser.parse_args(argv)
     print(__doc__.split("\n\n", 2)[2].strip())
     print()
     print(format_table(paper_table()))

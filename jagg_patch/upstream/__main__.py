@@ -158,7 +158,7 @@ def preflight(upstream_args, jagg, family, trainer=None, update="restated"):
     merged.jagg_backward, merged.jagg_trained_per_rank = jagg.jagg_backward, trained
     merged.jagg_deferred = update == "deferred"
     check_trajectory(merged)   # it may lower --jagg_monitor_samples to the samples a rank trains
-    jagg.jagg_monitor_samples = merged.jagg_monitor_samples
+    jagg.jagg_monitor_samples, jagg.jagg_window = merged.jagg_monitor_samples, merged.jagg_window
     try:
         FAMILIES[family].call_rows(upstream_args)
         plan = jagg_plan_text(merged, FAMILIES[family].output_bytes)
@@ -239,11 +239,13 @@ def main(argv=None):
     def checked_main(args):
         check_output_dir(args)
         preflight(args, jagg, family, trainer, update)
-        # lowered to the samples a rank trains (the update measures that many too), or auto's backward
-        # turned to one the trainer runs
-        changed = {"monitor_samples": jagg.jagg_monitor_samples, "backward": jagg.jagg_backward}
-        if update == "restated" and any(getattr(config, name) != value for name, value in changed.items()):
-            apply(module, config.replace(**changed), allow_upstream_changes=jagg.jagg_allow_upstream_changes)
+        # lowered to the samples a rank trains (the update measures that many too), auto's backward
+        # turned to one the trainer runs, or the window narrowed to the transitions a sample trains
+        changed = {"monitor_samples": jagg.jagg_monitor_samples, "backward": jagg.jagg_backward,
+                   "window": jagg.jagg_window}
+        if update in ("restated", "deferred") and any(getattr(config, k) != v for k, v in changed.items()):
+            apply(module, config.replace(**changed), allow_upstream_changes=jagg.jagg_allow_upstream_changes,
+                  deferred=jagg.jagg_deferred)
         return upstream_main(args)
 
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name

@@ -217,3 +217,19 @@ def test_missing_deepspeed_is_named(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)   # import deepspeed -> ImportError
     with pytest.raises(ValueError, match="pip install deepspeed"):
         validate_engine_args(SimpleNamespace(engine="deepspeed", deepspeed_config="x.json", use_ema=False))
+
+
+@pytest.mark.parametrize("settings, precision, said", [
+    ({"fp16": {"enabled": True}}, None, "the DeepSpeed config's fp16 is turned off on CPU"),
+    ({"bf16": {"enabled": True}}, None, "the DeepSpeed config's bf16 is turned off on CPU"),
+    ({"bf16": {"enabled": True}}, "bf16", None),
+    ({}, None, None)], ids=["fp16", "bf16-float32-run", "bf16-run", "none"])
+def test_a_precision_of_the_config_that_cpu_turns_off_is_said(settings, precision, said, capsys):
+    """An fp16 config on CPU ran float32 without a word; the engine now says what it turned off."""
+    import argparse
+    import torch
+    from dancegrpo.engines.deepspeed import engine_config
+    args = argparse.Namespace(max_grad_norm=1.0, mixed_precision=precision)
+    config = engine_config(settings, args, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert not config["fp16"]["enabled"] and (said in out if said else "notice" not in out), out

@@ -222,12 +222,16 @@ def test_a_min_cos_that_nothing_reads_is_said_once(capsys):
     assert "not used" not in capsys.readouterr().out
 
 
-def test_a_window_wider_than_the_trained_transitions_is_shown_as_built(make_args):
-    from jagg_patch.cli import add_jagg_args, jagg_plan_text
-    from dancegrpo.args import parse_args
-    import dancegrpo.train_grpo_flux as tf
-    args = parse_args(add_jagg_args(tf.build_parser()), ["--preset", "tiny", "--output_dir", "x",
-                                                          "--jagg_window", "8"])   # tiny: 4 trained transitions
-    text = jagg_plan_text(args)
-    assert "window 8 -> 4, the 4 transitions a sample trains" in text
-    assert "group 0: positions [0, 1, 2, 3] (size 4) -> JAGG" in text
+def test_a_window_wider_than_the_trained_transitions_runs_and_is_recorded_as_built(cache_dir, tmp_path, capsys):
+    """tiny: 4 trained transitions; --jagg_window 8 builds one group of 4, as --jagg_window 4 does: said
+    once, and the plan, metrics.jsonl and run_config.json hold the window that ran (they held 8)."""
+    assert helpers.run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
+                            "--output_dir", str(tmp_path / "o"), "--max_train_steps", "1", "--jagg_window", "8",
+                            "--checkpointing_steps", "1") == 0
+    out = capsys.readouterr().out
+    assert out.count("notice: --jagg_window 8 is wider than the 4 transitions a sample trains") == 1
+    assert "window 4, jagg_frac 0.6" in out and "group 0: positions [0, 1, 2, 3] (size 4) -> JAGG" in out
+    (record,) = metrics(tmp_path / "o")
+    assert record["jagg_groups"] == 128   # one group per sample (8 prompts x 16)
+    config = json.load(open(tmp_path / "o" / "checkpoint-1-0" / "run_config.json"))
+    assert config["jagg_window"] == 4

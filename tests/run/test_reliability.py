@@ -311,6 +311,11 @@ def test_resume_with_changed_flags_lists_them(make_args, tmp_path, capsys):
         train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--learning_rate", 1e-3,
                                        "--sampling_steps", 6, "--resume_from_checkpoint", "latest"))
     assert [r["step"] for r in read_metrics(out)] == [1]
+    with pytest.raises(ConfigError) as refused:   # the float32 default is no value a user typed: not 'None'
+        train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--mixed_precision",
+                                       "bf16", "--resume_from_checkpoint", "latest"))
+    assert "--mixed_precision: not given (its default) in the checkpoint, 'bf16' now" in str(refused.value)
+    assert "None" not in str(refused.value)
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--output_dir", out, "--learning_rate", 1e-3,
                                    "--resume_from_checkpoint", "latest", "--allow_config_change"))
     assert "warning: --allow_config_change" in capsys.readouterr().out

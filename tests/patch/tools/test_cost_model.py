@@ -32,3 +32,12 @@ def test_checkpointing_adds_a_forward_to_each_backward():
     vanilla, jagg = Variant("v", 16, (9, 0, 9)), Variant("j", 16, (5, 0, 5))
     assert vanilla.units(2.0, 0.5) == 16 + 9 + 9 * 2.5
     assert step_gain(2.0, vanilla, jagg, 1.0) > step_gain(2.0, vanilla, jagg)   # a saved backward is worth more
+
+
+def test_the_command_takes_no_argument_and_refuses_one(capsys):
+    from jagg_patch.tools.cost_model import main
+    with pytest.raises(SystemExit) as stop:
+        main(["--gpu", "h100"])
+    assert stop.value.code == 2 and "unrecognized arguments: --gpu h100" in capsys.readouterr().err
+    main([])
+    assert "| model (paper gain) |" in capsys.readouterr().out
