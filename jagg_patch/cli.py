@@ -348,6 +348,16 @@ def upstream_output_bytes(args):
     return image_output_bytes(args, bytes_per_output(torch.cuda.is_available()))
 
 
+def output_precision(args):
+    """What the kept outputs are computed in, as the banner says it: the run's --mixed_precision on
+    this project's trainers; an upstream file's plan sets jagg_output_precision None (upstream
+    computes under CUDA bf16 autocast whatever its flags say, float32 on a CPU-only machine)."""
+    import torch
+    from dancegrpo.utils.precision import describe_precision
+    precision = vars(args)["jagg_output_precision"] if "jagg_output_precision" in vars(args) else args.mixed_precision
+    return describe_precision("cuda" if torch.cuda.is_available() else "cpu", precision)
+
+
 def reuse_plan_text(args, middles_per_sample, output_bytes=rollout_output_bytes):
     """What --jagg_reuse_rollout saves per sample and costs per rank, with the configured GA. The
     rollout keeps every sample it draws; a trainer that trains fewer (HunyuanVideo's best-of-n) sets
@@ -361,7 +371,7 @@ def reuse_plan_text(args, middles_per_sample, output_bytes=rollout_output_bytes)
     kept = ("keeps S model outputs per sample (their size is the model's output, not set by the flags alone)"
             if size is None else f"keeps {size / 2 ** 20:.2f} MiB per sample, "
                                  f"{size / 2 ** 20 * per_rank:.1f} MiB per rank at {args.h}x{args.w} (the outputs "
-                                 "as the model computes them: bf16 under autocast)")
+                                 f"as the model computes them: {output_precision(args)})")
     trains = f"{trained} samples per rank" if trained == per_rank else f"{trained} samples a rank trains"
     return (f"  rollout reuse {args.jagg_reuse_rollout}: {middles_per_sample:g} no-grad forwards per sample taken "
             f"from the rollout for {reused} of the {trains} (GA "

@@ -87,12 +87,23 @@ def unknown_flag(parser, flag):
     return f"unknown flag {flag}{where}; {hint}see --help"
 
 
+def trainer_in_folder(path):
+    """A trainer file under `path` to name in the hint: one of its own train_grpo_*.py (it is the
+    fastvideo package), else one in its fastvideo/ (it is the checkout), else the checkout's layout."""
+    import glob
+    for folder in (path, os.path.join(path, "fastvideo")):
+        found = sorted(glob.glob(os.path.join(folder, "train_grpo_*.py")))
+        if found:
+            return found[0] if len(found) == 1 else f"{found[0]} (or {len(found) - 1} more there)"
+    inside = os.path.basename(os.path.normpath(path)) == "fastvideo"
+    return os.path.join(path, "train_grpo_flux.py") if inside else os.path.join(path, "fastvideo", "train_grpo_flux.py")
+
+
 def check_trainer_path(path):
     """How the adapter runs the file (fingerprint.file_kind); one line, exit 2, for a path that cannot
     be upstream's trainer file."""
     if os.path.isdir(path):
-        example = os.path.join(path, "fastvideo", "train_grpo_flux.py")
-        fail(f"{path!r} is a folder; give the trainer file in it, e.g. {example}")
+        fail(f"{path!r} is a folder; give the trainer file in it, e.g. {trainer_in_folder(path)}")
     if os.path.exists(path) and not path.endswith(".py"):
         fail(f"{path!r} is not a Python file; give upstream's trainer file, e.g. fastvideo/train_grpo_flux.py")
     try:
@@ -157,6 +168,7 @@ def preflight(upstream_args, jagg, family, trainer=None, update="restated"):
         choose_backward(rules, upstream_args, jagg, per_rank)
     merged.jagg_backward, merged.jagg_trained_per_rank = jagg.jagg_backward, trained
     merged.jagg_deferred = update == "deferred"
+    merged.jagg_output_precision = None   # upstream's: CUDA bf16 autocast, float32 without a GPU
     check_trajectory(merged)   # it may lower --jagg_monitor_samples to the samples a rank trains
     jagg.jagg_monitor_samples, jagg.jagg_window = merged.jagg_monitor_samples, merged.jagg_window
     try:

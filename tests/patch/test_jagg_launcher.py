@@ -235,3 +235,13 @@ def test_a_window_wider_than_the_trained_transitions_runs_and_is_recorded_as_bui
     assert record["jagg_groups"] == 128   # one group per sample (8 prompts x 16)
     config = json.load(open(tmp_path / "o" / "checkpoint-1-0" / "run_config.json"))
     assert config["jagg_window"] == 4
+
+
+@pytest.mark.parametrize("flags, said", [((), "float32"), (("--mixed_precision", "bf16"), "bf16 autocast")])
+def test_the_plan_says_what_the_kept_outputs_are_computed_in(flags, said, cache_dir):
+    from jagg_patch.cli import add_jagg_args, jagg_plan_text
+    from dancegrpo.args import parse_args
+    import dancegrpo.train_grpo_flux as tf
+    args = parse_args(add_jagg_args(tf.build_parser()), ["--preset", "tiny", "--cache_dir", cache_dir,
+                                                          "--output_dir", "x", *flags])
+    assert f"(the outputs as the model computes them: {said})" in jagg_plan_text(args)

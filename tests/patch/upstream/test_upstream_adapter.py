@@ -533,7 +533,8 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
 
 
 @pytest.mark.parametrize("argv, said", [
-    (["{tmp}"], "is a folder; give the trainer file in it"),
+    (["{tmp}"], "is a folder; give the trainer file in it, e.g. {tmp}/fastvideo/train_grpo_hunyuan.py (or 1 more"),
+    (["{tmp}/fastvideo"], "is a folder; give the trainer file in it, e.g. {tmp}/fastvideo/train_grpo_hunyuan.py"),
     (["{tmp}/notes.txt"], "is not a Python file"),
     (["{tmp}/broken.py"], "is not valid Python (line 1"),
     (["{tmp}/plain.py"], "has no function train_one_step"),
@@ -548,7 +549,7 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     (["{tmp}/fastvideo/train_grpo_hunyuan.py"], "No module named 'wandb_not_installed'"),
     (["{tmp}/linked.py"], "No module named 'wandb_not_installed'"),
     (["{tmp}/renamed_sd.py"], "renamed_sd.py has no function train_one_step")],
-    ids=["folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "jagg-typo-first",
+    ids=["folder", "package-folder", "not-py", "syntax", "no-train-one-step", "raises", "none", "flag-first", "jagg-typo-first",
          "jagg-typo-after", "sd-without-its-packages",
          "hunyuan-93ec253-without-its-packages", "link-to-it", "sd-shape-under-another-name"])
 def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsys):
@@ -571,7 +572,9 @@ def test_a_wrong_trainer_file_is_one_line_and_exit_2(argv, said, tmp_path, capsy
     with pytest.raises(SystemExit) as stop:
         main([a.format(tmp=tmp_path) for a in argv])
     err = capsys.readouterr().err.strip()
+    said = said.format(tmp=tmp_path)
     assert stop.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and said in err, err
+    assert "fastvideo/fastvideo" not in err
 
 
 def _half_then_full(real_open):

@@ -177,6 +177,7 @@ def test_the_launcher_plans_video_in_mib_and_turns_auto_to_split_where_batched_c
     plan = capsys.readouterr().out
     latent_bytes = 16 * 16 * 14 * 60 * 60 * 4   # S x 16 channels x 14 latent frames x 60 x 60, float32 on CPU
     assert f"{latent_bytes / 2 ** 20:.2f} MiB per sample" in plan and "HunyuanVideo model gets" in plan
+    assert "as the model computes them: float32)" in plan   # a CPU-only machine (it said bf16 autocast)
     # SkyReels' recipe (cfg 5) on 2 ranks (before their process group exists): auto would pick batched, which its
     # guided call cannot run
     from jagg_patch.upstream import __main__ as launcher
