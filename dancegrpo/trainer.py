@@ -34,7 +34,7 @@ from .run.signals import StopRequest, signal_name
 from .utils import checkpoint as ckpt
 from .utils.activation_meter import cuda_peak_mb, cuda_peak_reset
 from .utils.communications import (all_reduce_max, all_reduce_mean, decide_on_rank0, gather_tensor, init_distributed,
-                                   is_distributed, peer_lost, shutdown)
+                                   peer_lost, shutdown, sum_over_ranks)
 from .utils.metrics import MetricsWriter, phase_times, reward_summary, update_counts
 
 
@@ -114,14 +114,6 @@ def optimizer_step(ctx, where):
     return norm
 
 
-def _sum_over_ranks(counts, device):
-    """{name: integer count} summed over ranks, in one collective."""
-    t = torch.tensor(list(counts.values()), dtype=torch.float64, device=device)
-    if is_distributed():
-        torch.distributed.all_reduce(t)
-    return {name: int(round(x)) for name, x in zip(counts, t.tolist())}
-
-
 def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
     """One GRPO step: rollout, reward, advantages, policy update. Returns the metrics record.
 
@@ -142,7 +134,7 @@ def train_one_step(ctx, policy_update, select_train_steps=vanilla_selection):
         ctx.ema.update()
     t_end = time.time()
 
-    summed = _sum_over_ranks(update_counts(ctx.counter, stats, len(prepared.captions)), ctx.device)
+    summed = sum_over_ranks(update_counts(ctx.counter, stats, len(prepared.captions)), ctx.device)
     record = {
         "step": ctx.step,
         **reward_summary(prepared.all_rewards),

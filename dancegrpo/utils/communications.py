@@ -31,6 +31,11 @@ def is_distributed():
     return dist.is_available() and dist.is_initialized()
 
 
+def world_size():
+    """The ranks of the process group (1 without one)."""
+    return dist.get_world_size() if is_distributed() else 1
+
+
 def barrier():
     if is_distributed():
         dist.barrier()
@@ -117,6 +122,16 @@ def all_reduce_mean(value, device):
     if not is_distributed():
         return float(value)
     return _all_reduce_float(value, device, dist.ReduceOp.SUM) / dist.get_world_size()
+
+
+def sum_over_ranks(counts, device):
+    """{name: integer count} summed over ranks, in one collective (a metrics record's counts are the
+    whole step's, every rank's passes)."""
+    if not is_distributed():
+        return dict(counts)
+    t = torch.tensor([float(v) for v in counts.values()], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {name: int(round(x)) for name, x in zip(counts, t.tolist())}
 
 
 def all_reduce_max(value, device):

@@ -15,6 +15,7 @@ import uuid
 
 import torch
 
+from dancegrpo.utils.communications import sum_over_ranks, world_size
 from dancegrpo.utils.metrics import PassCounter
 
 from ..deferred import wrap
@@ -112,7 +113,8 @@ def own_train_one_step(trainer, config, original, deferred):
         train_one_step.calls += 1
         device = bound.arguments.get("device") or next(model.parameters()).device
         record = {"step": train_one_step.calls, "run_id": run_id, "family": trainer.family,
-                  "release": trainer.release_text(), "update": update, **config.as_dict(), **counter.as_dict(),
+                  "release": trainer.release_text(), "update": update, **config.as_dict(),
+                  **sum_over_ranks(counter.as_dict(), device), "world_size": world_size(),
                   **(step_record(proxy.stats[before:], device) if proxy is not None else {}),
                   **_returned(result), **rewards.read(), "step_time_s": time.time() - started}
         train_one_step.last_stats = record

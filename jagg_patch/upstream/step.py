@@ -22,6 +22,7 @@ import torch.distributed as dist
 from dancegrpo.algo.grpo import UpdateBatch, UpdateStats, wants_rollout_outputs
 from dancegrpo.algo.objective import measured_apart
 from dancegrpo.algo.ratio_stats import RatioMeter
+from dancegrpo.utils.communications import all_reduce_mean, sum_over_ranks, world_size
 from dancegrpo.utils.metrics import PassCounter, first_tensor, phase_times, update_counts
 
 from ..seams import UPSTREAM_ROLLOUT_VALUES
@@ -117,15 +118,6 @@ class Trajectories:
 
 def _rank():
     return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _mean_over_ranks(value, device):
-    """Upstream all-reduces each loss with AVG (nccl only): the sum over ranks / world size."""
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
 
 
 def report_rewards(gathered, trainer):
@@ -276,7 +268,7 @@ def accumulate(module, trainer, update, traj, steps, named, step, counter, ratio
         sample_stats = update(sample_batch(module, family, traj, i, steps[i:i + 1], optimizer_steps == 0,
                                            transformer, last, ratios, step, counter))
         stats += sample_stats
-        loss = _mean_over_ranks(sample_stats.loss, device)
+        loss = all_reduce_mean(sample_stats.loss, device)
         if not math.isfinite(loss):
             raise FloatingPointError(f"jagg_patch.upstream: the loss of sample {i} is {loss}; stopped before the "
                                      "optimizer step, so the weights are not trained on it")
@@ -320,8 +312,10 @@ def train_step(module, trainer, update, select_train_steps, named, step=1):
     finally:
         counter.remove()
     num_samples = traj.latents.shape[0]
-    # The trainer's record names (dancegrpo.utils.metrics), this rank's counts.
-    stats_dict = {**update_counts(counter, done.stats, num_samples), "backward_calls": done.stats.backward_calls,
+    # The trainer's record names (dancegrpo.utils.metrics), its counts summed over the ranks, as the trainer's.
+    counts = sum_over_ranks({**update_counts(counter, done.stats, num_samples),
+                             "backward_calls": done.stats.backward_calls}, device)
+    stats_dict = {**counts, "world_size": world_size(),
                   "optimizer_steps": done.optimizer_steps, "loss": done.total_loss,
                   "grad_norm": done.grad_norm.item(), **family.reward_record(gathered, args),
                   **phase_times(t_start, t_update, t_end), **ratios.summary(device), **done.stats.metrics}
