@@ -12,7 +12,6 @@ beside. Also the held-out correct-class rate of its ODE samples (100, the build'
 Writes factors.json, factors.md (one table per window and grouping) and factors.png (cos per
 position, one line per factor) under --out; a factor already measured there is read back, not rerun.
 """
-import argparse
 import json
 import os
 import shutil
@@ -164,7 +163,8 @@ def plot(path, results, family):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from dancegrpo.utils.command_line import CommandParser
+    p = CommandParser(description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=("flux", "qwenimage"), default="flux")
     p.add_argument("--factors", default=",".join(FACTORS))
     p.add_argument("--steps", type=int, default=None,

@@ -12,7 +12,6 @@ confidence bound) and by auto's rule (jagg_patch.routing: the one-sided 95% boun
 Printed per (W, min_cos, n): the share of pairs of measurements that route every position alike, and
 the mean number of positions routed. Writes agreement.json and agreement.md under --out.
 """
-import argparse
 import itertools
 import json
 import math
@@ -106,7 +105,8 @@ def summarize(found, min_cos, sizes):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from dancegrpo.utils.command_line import CommandParser   # the repository root is on the path now
+    p = CommandParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--family", choices=("flux", "qwenimage"), required=True)
     p.add_argument("--preset", default="digits_large")
     p.add_argument("--windows", default="4,8")

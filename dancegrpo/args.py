@@ -9,17 +9,16 @@ import sys
 from . import presets
 from .choices import ADVANTAGE_RULES, PRECISIONS, SDE_TYPES, SHARDING_STRATEGIES, WEIGHT_TYPES
 from .engines import add_engine_args, validate_engine_args
+from .utils.command_line import CommandParser
 from .adapters.flags import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, check_reward_prompts, resolve_reward_spec
 
 NOOP = "Accepted for upstream compatibility; has no effect (as upstream)."
 
 
-class TrainerArgumentParser(argparse.ArgumentParser):
-    """A flag error prints one line and a hint, not the whole usage (exit 2, as argparse)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}\nhint: `{self.prog} --help` lists every flag\n")
+class TrainerArgumentParser(CommandParser):
+    """The trainers' parser: a flag error prints one line and a hint, not the whole usage (exit 2, as
+    argparse); no abbreviated flags."""
 
 
 def build_parser(family, description=None):
@@ -147,7 +146,7 @@ def build_parser(family, description=None):
 
 def _preset_from(argv, family):
     """The preset and cache folder named on the command line, before the full parse."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--preset", default=None)
     pre.add_argument("--cache_dir", default="./cache_dir")
     known, _ = pre.parse_known_args(argv)

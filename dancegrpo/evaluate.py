@@ -44,12 +44,13 @@ from .eval_inputs import EvalError, parse_checkpoints
 from .models.registry import family_names
 from .rewards import RewardNotFiniteError, add_reward_args, parse_reward_spec
 from .run.readers import ReaderLock, run_folder_of
+from .utils.command_line import CommandParser
 
 DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream's Flux training geometry
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m dancegrpo.evaluate", description=__doc__.split("\n\n")[0],
+    p = CommandParser(prog="python -m dancegrpo.evaluate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=family_names(), default="flux")
     p.add_argument("--preset", default=None, help="Embedded model + prompt data (e.g. 'tiny'); sets defaults.")

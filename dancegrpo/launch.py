@@ -33,10 +33,14 @@ def describe_failure(rank, failure):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] in (["-h"], ["--help"]):   # answered before torch loads; torchrun's own flags are its
+        print(f"usage: python -m dancegrpo.launch [torchrun's arguments] TRAINER.py|-m MODULE [its flags]\n\n"
+              f"{__doc__.strip()}\n\nEvery argument is torchrun's: `torchrun --help` lists them.")
+        return 0
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
-    argv = sys.argv[1:] if argv is None else list(argv)
     if not any(a.split("=")[0] in ("--shutdown_timeout", "--shutdown-timeout") for a in argv):
         os.environ.setdefault(GRACE_ENV, str(DEFAULT_GRACE_S))
     try:

@@ -25,6 +25,13 @@ COMMANDS = {
     "evaluate bad flag": ["dancegrpo.evaluate", "--no_such_flag"],
     "compare --help": ["jagg_patch.tools.compare", "--help"],
     "tradeoff bad flag": ["jagg_patch.tools.tradeoff", "--no_such_flag"],
+    "launch --help": ["dancegrpo.launch", "--help"],
+    "preprocess flux --help": ["dancegrpo.preprocess.flux", "--help"],
+    "preprocess qwenimage bad flag": ["dancegrpo.preprocess.qwenimage", "--no_such_flag"],
+    "bench_update --help": ["jagg_patch.tools.bench_update", "dancegrpo.train_grpo_flux", "--help"],
+    "diagnostics --help": ["jagg_patch.tools.diagnostics", "dancegrpo.train_grpo_flux", "--help"],
+    "fidelity bad flag": ["jagg_patch.tools.fidelity", "dancegrpo.train_grpo_flux", "--no_such_flag"],
+    "cost_model bad flag": ["jagg_patch.tools.cost_model", "--no_such_flag"],
 }
 
 PROBE = """
@@ -50,6 +57,34 @@ def test_help_and_flag_errors_answer_before_torch_loads(name):
     result = probe(COMMANDS[name])
     assert result["code"] == (0 if name.endswith("--help") else 2), result
     assert result["loaded"] == [], f"{name} imported {result['loaded']} before answering"
+
+
+# An abbreviation of a flag (argparse's default accepts them) and a typo beside a missing required flag.
+REFUSED = {
+    "trainer": ["dancegrpo.train_grpo_flux", "--max_train_st", "3"],
+    "jagg_patch": ["jagg_patch", "dancegrpo.train_grpo_flux", "--jagg_win", "8"],
+    "evaluate typo, no --output_dir": ["dancegrpo.evaluate", "--no_such_flag"],
+    "evaluate": ["dancegrpo.evaluate", "--output_d", "x"],
+    "compare": ["jagg_patch.tools.compare", "run", "--label", "a"],
+    "tradeoff": ["jagg_patch.tools.tradeoff", "--metr", "jpeg"],
+    "quality_report": ["jagg_patch.tools.quality_report", "x", "--metr", "jpeg"],
+    "cost_model": ["jagg_patch.tools.cost_model", "--he"],
+    "preprocess": ["dancegrpo.preprocess.flux", "--output_d", "x"],
+    "digits build": ["dancegrpo.digits.build", "--ou", "x"],
+    "bench_update": ["jagg_patch.tools.bench_update", "dancegrpo.train_grpo_flux", "--bench_mod", "vanilla"],
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_an_abbreviated_or_unknown_flag_is_named_in_one_line(name, capsys):
+    """No command takes an abbreviation for a flag (a later flag of that prefix would change what the
+    command means); the unknown flag is named, not a missing --output_dir, in one line and a hint."""
+    from helpers import run_main
+    argv = REFUSED[name]
+    assert run_main(*argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    unknown = next(a for a in argv[1:] if a.startswith("--"))
+    assert len(err) == 2 and f"unrecognized arguments: {unknown}" in err[0] and "--help` lists" in err[1], err
 
 
 def test_the_parsers_choices_are_what_the_code_implements():

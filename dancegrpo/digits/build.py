@@ -13,7 +13,6 @@ DIR then holds transformer/, vae/ (diffusers folders), data/prompts.json with it
 files, and BUILD.json (settings, times, rates). The transformer is stopped early on purpose: it
 follows prompts only partly, so GRPO has work to do.
 """
-import argparse
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ import torch
 from ..errors import is_disk_full
 from ..models.registry import family_names, family_part
 from . import data
+from ..utils.command_line import CommandParser
 
 SIZE = 64
 
@@ -220,7 +220,7 @@ def _build(world, family_name, world_name, out, vae_steps, transformer_steps, se
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dancegrpo.digits.build", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m dancegrpo.digits.build", description=__doc__.splitlines()[0])
     p.add_argument("--family", choices=family_names(), default="flux")
     p.add_argument("--world", choices=world_names(), default="digits",
                    help="digits: the default world; digits_large: the deeper, less linear one (docs/digits_large.md).")

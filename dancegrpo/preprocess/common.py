@@ -13,22 +13,21 @@ items. File names carry the prompt's line index and a hash of its text, so an
 edited prompt file is never matched with stale embeddings. The JSON index is
 written last, by rank 0 after every rank finished, also through a rename.
 """
-import argparse
 import glob
 import hashlib
 import json
 import os
 import sys
 
-import torch
+from ..utils.command_line import CommandParser
 
-from ..utils.communications import barrier, init_distributed, shutdown
+# torch and the collectives load in the functions that use them: --help and a flag error answer first.
 
 INDEX_NAME = "videos2caption.json"  # upstream's name, which the training scripts point at
 
 
 def build_parser(model, description, default_max_sequence_length):
-    p = argparse.ArgumentParser(prog=f"python -m dancegrpo.preprocess.{model}", description=description)
+    p = CommandParser(prog=f"python -m dancegrpo.preprocess.{model}", description=description)
     p.add_argument("--model_path", required=True,
                    help="Local diffusers model folder; only its text encoder(s) and tokenizer(s) are loaded.")
     p.add_argument("--prompt_dir", "--prompt_file", dest="prompt_dir", required=True,
@@ -73,6 +72,7 @@ def item_name(index, prompt):
 
 
 def atomic_torch_save(tensor, path):
+    import torch
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         torch.save(tensor.detach().cpu().contiguous().clone(), tmp)
@@ -90,6 +90,7 @@ def atomic_write_json(obj, path):
 
 
 def resolve_dtype(name, device):
+    import torch
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, name)
@@ -116,7 +117,10 @@ def run(args, spec):
       index_fields({kind: path}) -> extra JSON fields of one finished item (e.g. original_length)
     Returns the list of index entries (rank 0) or None.
     """
+    import torch
     from tqdm.auto import tqdm
+
+    from ..utils.communications import barrier, init_distributed, shutdown
     prompts = read_prompts(args.prompt_dir)
     require_components(args.model_path, spec.components, spec.hint)
     problem = spec.check_args(args)

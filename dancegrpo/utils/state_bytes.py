@@ -17,7 +17,7 @@ With LoRA under DeepSpeed, T is the adapter.
 
     python -m dancegrpo.utils.state_bytes       # the table in docs/lora_deepspeed_memory.md: Flux (12B) and Qwen-Image (20B) on 8 GPUs
 """
-import argparse
+from .command_line import CommandParser
 
 GIB = 2 ** 30
 SETUPS = ("fsdp", "lora", "zero0", "zero1", "zero2", "zero3")
@@ -98,7 +98,7 @@ def table(world_size=8):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dancegrpo.utils.state_bytes", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m dancegrpo.utils.state_bytes", description=__doc__.splitlines()[0])
     p.add_argument("--world_size", type=int, default=8)
     print(table(p.parse_args(argv).world_size))
 

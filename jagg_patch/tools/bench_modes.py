@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from ..config import JaggConfig
 from ..core import resolve_backward
 from ..update import make_policy_update
+from .tool_args import DEFAULT_MODES
 
 
 @dataclass(frozen=True)
@@ -44,8 +45,6 @@ _FIXED = _jagg_modes()
 # Every JAGG mode of the paper's method also runs routed by --jagg_frac auto, as "<name>_auto".
 MODES = {m.name: m for m in _FIXED + [BenchMode(f"{m.name}_auto", m.jagg_mode, m.backward, m.reuse, True)
                                       for m in _FIXED if m.jagg_mode == "jagg" and not m.deferred]}
-DEFAULT_MODES = ("vanilla", "jagg", "jagg_split", "jagg_batched", "jagg_reuse", "jagg_split_reuse",
-                 "jagg_batched_reuse", "exact", "endpoints")
 AUTO_SUFFIX = "_auto"
 
 

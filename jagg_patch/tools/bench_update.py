@@ -56,19 +56,24 @@ live in jagg_patch.tools.bench_timing, the report in jagg_patch.tools.bench_repo
 import statistics
 import sys
 
-import torch
+if __name__ == "__main__":   # --help and flag errors, before torch loads
+    from jagg_patch.tools.tool_args import add_bench_args as _flags, answer_first
+    answer_first("jagg_patch.tools.bench_update", __doc__, _flags)
 
-from dancegrpo.utils.launch import launch_rank
-from dancegrpo.utils.precision import describe_precision
+import torch  # noqa: E402
 
-from ..cli import check_trajectory, trainer_cli
-from ..config import AUTO_MONITOR_EVERY
-from .bench_modes import DEFAULT_MODES, headline_mode, make_update, parse_modes
-from .bench_report import checks, format_report
-from .bench_timing import (Timer, UnitCosts, collective_summary, collectives, gain, predicted_seconds,
+from dancegrpo.utils.launch import launch_rank  # noqa: E402
+from dancegrpo.utils.precision import describe_precision  # noqa: E402
+
+from ..cli import check_trajectory, trainer_cli  # noqa: E402
+from ..config import AUTO_MONITOR_EVERY  # noqa: E402
+from .bench_modes import headline_mode, make_update, parse_modes  # noqa: E402
+from .bench_report import checks, format_report  # noqa: E402
+from .bench_timing import (Timer, UnitCosts, collective_summary, collectives, gain, predicted_seconds,  # noqa: E402
                            selections_of)
-from .cost_model import sample_groups
-from .reports import print_and_write
+from .cost_model import sample_groups  # noqa: E402
+from .reports import print_and_write  # noqa: E402
+from .tool_args import add_bench_args  # noqa: E402
 
 
 class Bench:
@@ -277,21 +282,7 @@ def main(argv=None):
     module, parser, rest = trainer_cli(argv, "jagg_patch.tools.bench_update", __doc__)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
-    g = parser.add_argument_group("benchmark")
-    g.add_argument("--bench_reps", type=int, default=3, help="Timed repetitions of each mode (after one warm-up).")
-    g.add_argument("--bench_unit_reps", type=int, default=3,
-                   help="Unit-cost measurements after each repetition of the modes.")
-    g.add_argument("--bench_rollout_reps", type=int, default=1,
-                   help="Timed rollouts after each repetition of the modes (median over all).")
-    g.add_argument("--bench_modes", default=",".join(DEFAULT_MODES), help="Comma list; vanilla is the reference.")
-    g.add_argument("--bench_target_step", type=float, default=None,
-                   help="Check the headline mode's whole-step speedup against this (e.g. 0.25); none by default.")
-    g.add_argument("--bench_target_update", type=float, default=None,
-                   help="Check the headline mode's update-phase speedup against this; none by default.")
-    g.add_argument("--bench_paper_step_gain", type=float, default=None,
-                   help="The paper's whole-step gain to print beside the step target (e.g. 0.183 for Flux).")
-    g.add_argument("--bench_json", default=None, help="Write the raw numbers here (JSON).")
-    g.add_argument("--bench_md", default=None, help="Write the report here (markdown).")
+    add_bench_args(parser)
     args = parse_args(parser, rest)
     if args.jagg_frac == "auto":
         raise SystemExit("error: jagg_patch.tools.bench_update times the modes at a fixed --jagg_frac; time "

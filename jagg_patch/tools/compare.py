@@ -58,6 +58,7 @@ from dancegrpo.utils.atomic import write_text
 from .compare_plots import fidelity_curves, write_plots
 from .reports import json_text, output_errors
 from .run_records import CompareError, load_metrics, warn
+from dancegrpo.utils.command_line import CommandParser
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
 # A NaN in any of these means the run diverged (a NaN ratio: its log-probs were NaN).
@@ -282,7 +283,7 @@ def _csv_text(header, rows):
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="python -m jagg_patch.tools.compare", description=__doc__.split("\n\n")[0],
+    p = CommandParser(prog="python -m jagg_patch.tools.compare", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer output folders; the first is the reference.")
     p.add_argument("--labels", default=None, help="Comma list of names, one per run (default: folder names).")

@@ -27,10 +27,9 @@ default), so a backward costs about 3 F and every pass JAGG saves is worth more 
 """
 from dataclasses import dataclass
 
-import torch
+from dancegrpo.utils.command_line import CommandParser
 
 from ..plan import group_cost, num_trained_windows, plan_groups, plan_windows
-from ..update import groups_of
 
 
 def group_passes(group, mode="jagg", schedule="project"):
@@ -64,6 +63,8 @@ def sample_groups(steps_row, num_transitions, window, jagg_frac, grouping="train
     """The groups one sample's update runs: its trained transitions (-1 pads train nothing) grouped
     as the patched policy_update groups them (members: positions in its sorted transitions under the
     trained grouping, transitions under the window grouping)."""
+    import torch   # here, not at import: the command answers --help and a flag error first
+    from ..update import groups_of
     steps = torch.as_tensor([int(k) for k in steps_row], dtype=torch.long).reshape(1, -1)
     return [found.group for found in groups_of(steps, num_transitions, window, jagg_frac, grouping)]
 
@@ -160,8 +161,7 @@ def format_table(rows, settings=SETTINGS):
 
 def main(argv=None):
     """The table takes no argument: any given (a typo, a flag of another tool) is an error, not ignored."""
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m jagg_patch.tools.cost_model", allow_abbrev=False,
+    parser = CommandParser(prog="python -m jagg_patch.tools.cost_model",
                                      description=__doc__.split("\n\n")[0],
                                      epilog="It takes no arguments; the model's settings are the paper's.")
     parser.parse_args(argv)

@@ -15,11 +15,16 @@ JAGG the leading groups whose cosine is high.
 """
 import sys
 
-import torch
+if __name__ == "__main__":   # --help and flag errors, before torch loads
+    from jagg_patch.tools.tool_args import add_diag_args as _flags, answer_first
+    answer_first("jagg_patch.tools.diagnostics", __doc__, _flags)
 
-from ..cli import check_trajectory, trainer_cli
-from ..similarity import gradient_similarity
-from ..update import group_backward, groups_of
+import torch  # noqa: E402
+
+from ..cli import check_trajectory, trainer_cli  # noqa: E402
+from ..similarity import gradient_similarity  # noqa: E402
+from ..update import group_backward, groups_of  # noqa: E402
+from .tool_args import add_diag_args  # noqa: E402,F401  (part of this module's API: the tools add its flags)
 
 # (row key, mode, alpha rule) of each approximation compared with the exact group gradient.
 VARIANTS = (("jagg", "jagg", "timestep"), ("jagg_index", "jagg", "index"), ("endpoints", "endpoints", "timestep"))
@@ -148,16 +153,6 @@ def measure_rollout(ctx, args, step):
 
     groups = measured_groups(steps, args.jagg_window, args.jagg_grouping, num_transitions)
     return group_similarities(ctx, make_batch, groups, args.update_batch_size, ctx.timesteps)
-
-
-def add_diag_args(parser):
-    g = parser.add_argument_group("diagnostics")
-    g.add_argument("--diag_samples", type=int, default=32, help="Samples of the rollout to measure on.")
-    g.add_argument("--diag_warmup_steps", type=int, default=0, help="Vanilla training steps before measuring.")
-    g.add_argument("--diag_params", default=None,
-                   help="Regex: measure the gradient of matching parameters only, e.g. "
-                        "'transformer_blocks\\.0\\.' (needed to fit 12B / 20B models; default: all).")
-    return g
 
 
 def main(argv=None):

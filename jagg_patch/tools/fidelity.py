@@ -19,8 +19,13 @@ import os
 import statistics
 import sys
 
-from ..cli import check_trajectory, trainer_cli
-from .diagnostics import add_diag_args, measure_rollout, setup_diagnostics
+if __name__ == "__main__":   # --help and flag errors, before torch loads
+    from jagg_patch.tools.tool_args import add_fidelity_args as _flags, answer_first
+    answer_first("jagg_patch.tools.fidelity", __doc__, _flags)
+
+from ..cli import check_trajectory, trainer_cli  # noqa: E402
+from .diagnostics import measure_rollout, setup_diagnostics  # noqa: E402
+from .tool_args import add_fidelity_args  # noqa: E402
 
 
 def _stats(values):
@@ -102,10 +107,7 @@ def main(argv=None):
     module, parser, rest = trainer_cli(argv, "jagg_patch.tools.fidelity", __doc__)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
-    add_diag_args(parser)
-    g = parser.add_argument_group("fidelity")
-    g.add_argument("--fid_rollouts", type=int, default=3, help="Rollouts to average over.")
-    g.add_argument("--fid_out", default=None, help="Write fidelity.{json,csv,md} here.")
+    add_fidelity_args(parser)
     args = parse_args(parser, rest)
     check_trajectory(args)
     if args.fid_rollouts < 1:

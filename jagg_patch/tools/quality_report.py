@@ -27,6 +27,7 @@ from dancegrpo.utils.plots import plot_mean_spread
 from .compare import summarize
 from .run_records import CompareError, load_metrics, read_json
 from .reports import json_text, output_errors
+from dancegrpo.utils.command_line import CommandParser
 
 LABEL = re.compile(r"^(?P<variant>.+)@(?P<step>\d+)$")
 
@@ -159,7 +160,7 @@ def report(root, metric="digit_heldout", ma_window=5, out=None, title=None, vari
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jagg_patch.tools.quality_report", description=__doc__.split("\n\n")[0],
+    p = CommandParser(prog="python -m jagg_patch.tools.quality_report", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("root", metavar="ROOT", help="Folder of seed<S>/ folders.")
     p.add_argument("--metric", default="digit_heldout", help="Evaluated metric of the table and the right panel.")

@@ -23,7 +23,6 @@ as the ratio's ±): auto trains a fixed fraction's runs bit for bit when it rout
 0.01 between their medians is timing noise, not a verdict. Writes tradeoff.{md,json} and
 pareto.png (metric against the ratio, seeds' sd and the ratio's spread as error bars) under --out.
 """
-import argparse
 import math
 import os
 import re
@@ -35,6 +34,7 @@ from dancegrpo.utils.atomic import write_text
 
 from .run_records import CompareError, load_metrics, read_json
 from .reports import json_text, output_errors
+from dancegrpo.utils.command_line import CommandParser
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
 
@@ -247,7 +247,7 @@ def tradeoff(root, benches, metric="digit_heldout", tolerance_sd=1.0, goal_ratio
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jagg_patch.tools.tradeoff", description=__doc__.splitlines()[0])
+    p = CommandParser(prog="python -m jagg_patch.tools.tradeoff", description=__doc__.splitlines()[0])
     p.add_argument("root", help="One family's quality folder (report/report.json, seed<S>/<variant>/).")
     p.add_argument("--bench", action="append", default=[], metavar="VARIANT=BENCH_JSON:MODE")
     p.add_argument("--metric", default="digit_heldout")

@@ -18,6 +18,7 @@ from ..cli import add_jagg_args, check_trajectory, fail, flags_text, jagg_config
 from ..settings import resolve_backward
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
 from .loader import load_trainer, run_main_block
+from dancegrpo.utils.command_line import CommandParser
 
 USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
        torchrun --nproc_per_node=N -m jagg_patch.upstream [--jagg_* flags] fastvideo/train_grpo_flux.py ...
@@ -47,8 +48,8 @@ def usage():
 
 
 def jagg_parser():
-    parser = add_jagg_args(argparse.ArgumentParser(prog="python -m jagg_patch.upstream", usage=argparse.SUPPRESS,
-                                                   add_help=False, allow_abbrev=False))
+    parser = add_jagg_args(CommandParser(prog="python -m jagg_patch.upstream", usage=argparse.SUPPRESS,
+                                                   add_help=False))
     parser.add_argument("--jagg_allow_upstream_changes", action="store_true",
                         help="Warn instead of stopping when upstream's functions differ from what the adapter "
                              "relies on (jagg_patch.seams.UPSTREAM_SEAMS).")

@@ -6,8 +6,6 @@ hidden state, template tokens dropped) with text_encoder/ and tokenizer/ at
 prompt_embed [T, 3584] zero-padded to T = --max_sequence_length (1024),
 prompt_attention_mask [T] (1 = real token), and "original_length" in the JSON.
 """
-import torch
-
 DESCRIPTION = __doc__.splitlines()[0]
 SUBFOLDERS = {
     "prompt_embeds": ("prompt_embed_path", "prompt_embed"),
@@ -47,6 +45,7 @@ class QwenImageEncoder:
 
     @staticmethod
     def encode(state, prompts, args):
+        import torch   # here: the command line answers --help and a flag error before torch loads
         pipe, device = state
         embeds, mask = pipe.encode_prompt(prompt=prompts, device=device, max_sequence_length=args.max_sequence_length)
         if mask is None:  # the pipeline drops an all-ones mask
@@ -63,6 +62,7 @@ class QwenImageEncoder:
 
     @staticmethod
     def index_fields(paths):
+        import torch
         mask = torch.load(paths["prompt_attention_mask"], map_location="cpu", weights_only=True)
         return {"original_length": int(mask.sum())}
 
