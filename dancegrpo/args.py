@@ -9,7 +9,7 @@ import sys
 from . import presets
 from .choices import ADVANTAGE_RULES, PRECISIONS, SDE_TYPES, SHARDING_STRATEGIES, WEIGHT_TYPES
 from .engines import add_engine_args, validate_engine_args
-from .utils.command_line import CommandParser
+from .utils.command_line import CommandParser, typed_flags
 from .adapters.flags import add_lora_args, validate_lora_args
 from .rewards import add_reward_args, check_reward_prompts, resolve_reward_spec
 
@@ -194,6 +194,7 @@ def parse_args(parser, argv=None):
         parser.set_defaults(**presets.preset_defaults(parser.get_default("family"), preset, cache_dir))
         args = parser.parse_args(argv)
     args.explicit_flags = explicit_flags(parser, argv)
+    args.typed_flags = typed_flags(parser, argv)
     try:
         validate_args(args)
     except ValueError as e:

@@ -7,6 +7,7 @@ message says which quantity or event, at which step, and what to try; exit code 
 import errno
 import functools
 import sys
+from .utils.launch import say
 
 
 def is_disk_full(error):
@@ -54,7 +55,7 @@ def say_stopped(error):
     SIGTERM to the survivors of a dead rank, once their own handlers are gone), the line is said
     first, at the point the stop is decided."""
     if not getattr(error, "said", False):
-        print(f"stopped: {error}", file=sys.stderr, flush=True)
+        say(f"stopped: {error}")
         error.said = True
 
 
@@ -66,7 +67,7 @@ def exit_on_config_error(fn):
         try:
             return fn(*a, **kw)
         except ConfigError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            say(f"error: {e}")
             sys.exit(2)
         except RunHalted as e:
             say_stopped(e)

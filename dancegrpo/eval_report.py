@@ -4,10 +4,10 @@ and the same sampling settings in the same folder."""
 import hashlib
 import json
 import os
-import sys
 
 from .errors import ConfigError
 from .utils.atomic import write_text
+from .utils.launch import say
 
 
 # What makes two rows comparable: a row whose images were drawn otherwise differs by its settings alone.
@@ -85,8 +85,7 @@ def merged_summaries(earlier, summaries):
     labels = {s["label"] for s in summaries}
     replaced = [s["label"] for s in earlier if s["label"] in labels]
     if replaced:
-        print(f"notice: {', '.join(replaced)} evaluated again: the earlier row is replaced", file=sys.stderr,
-              flush=True)
+        say(f"notice: {', '.join(replaced)} evaluated again: the earlier row is replaced")
     return [s for s in earlier if s["label"] not in labels] + summaries
 
 

@@ -4,7 +4,6 @@ import csv
 import json
 import math
 import os
-import sys
 import time
 
 import torch
@@ -23,6 +22,7 @@ from .run.rundir import RunLock
 from .utils.atomic import write_atomically, write_text
 from .utils.precision import compute_autocast, describe_precision
 from .utils.samples import tile
+from .utils.launch import say
 
 
 def select_prompts(args, dataset):
@@ -143,7 +143,7 @@ def run(args, stack):
         precheck_checkpoint(path, args.pretrained_model_name_or_path, transformer_cls)
         note = preset_mismatch(label, path, args.preset)
         if note:
-            print(f"warning: {note}", file=sys.stderr, flush=True)
+            say(f"warning: {note}")
     names = [n for n, _ in args.metric_terms]
     settings = eval_settings(args, [dataset.items[i]["caption"] for i in prompt_ids],
                              describe_precision(device, args.mixed_precision))
@@ -164,7 +164,7 @@ def run(args, stack):
             summary = evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, metric_fn, label,
                                           path, device, settings)
         except NonFiniteError as e:  # flagged, not ranked; the other checkpoints are still scored
-            print(f"warning: {label}: {e}", file=sys.stderr, flush=True)
+            say(f"warning: {label}: {e}")
             summary = nonfinite_summary(label, path, names, str(e), settings)
         del transformer
         summaries.append(summary)

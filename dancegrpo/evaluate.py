@@ -35,7 +35,6 @@ once the command line is answered.
 import argparse
 import contextlib
 import os
-import sys
 
 from . import presets
 from .choices import PRECISIONS
@@ -45,6 +44,7 @@ from .models.registry import family_names
 from .rewards import RewardNotFiniteError, add_reward_args, parse_reward_spec
 from .run.readers import ReaderLock, run_folder_of
 from .utils.command_line import CommandParser
+from .utils.launch import say
 
 DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream's Flux training geometry
 
@@ -156,8 +156,8 @@ def hold_run_folders(checkpoints, stack):
         try:
             stack.enter_context(ReaderLock(folder, "dancegrpo.evaluate"))
         except OSError as e:   # a read-only copy of a run: nobody can delete there either
-            print(f"notice: cannot mark {folder!r} as being read ({e.strerror}); a run started there could delete "
-                  "its checkpoints during the evaluation", file=sys.stderr, flush=True)
+            say(f"notice: cannot mark {folder!r} as being read ({e.strerror}); a run started there could delete "
+                  "its checkpoints during the evaluation")
 
 
 def main(argv=None):
@@ -168,14 +168,14 @@ def main(argv=None):
             hold_run_folders(args.checkpoints, stack)
             return run(args, stack)
     except (EvalError, FileNotFoundError, ValueError, ImportError, RewardNotFiniteError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         raise SystemExit(2) from None
     except OSError as e:
         if not is_disk_full(e):
             raise
-        print(f"stopped: no space left to write {e.filename or 'a file'} in {args.output_dir!r} ({e.strerror}); "
+        say(f"stopped: no space left to write {e.filename or 'a file'} in {args.output_dir!r} ({e.strerror}); "
               "every file there is whole (each is written under a temporary name, then renamed), table.md "
-              "lists the checkpoints scored before. Free space and run the evaluation again", file=sys.stderr)
+              "lists the checkpoints scored before. Free space and run the evaluation again")
         raise SystemExit(3) from None
 
 

@@ -15,6 +15,7 @@ Three things differ from a plain `torchrun`, all about stopping:
 """
 import os
 import sys
+from .utils.launch import say
 
 DEFAULT_GRACE_S = 900
 GRACE_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
@@ -46,12 +47,12 @@ def main(argv=None):
     try:
         torchrun(argv)
     except SignalException as stop:
-        print(f"launcher: {stop.sigval.name}: the workers were stopped (each saves a checkpoint after its "
-              "step); continue with --resume_from_checkpoint latest", file=sys.stderr, flush=True)
+        say(f"launcher: {stop.sigval.name}: the workers were stopped (each saves a checkpoint after its "
+              "step); continue with --resume_from_checkpoint latest")
         sys.exit(128 + int(stop.sigval))
     except ChildFailedError as failed:
         line, code = describe_failure(*failed.get_first_failure())   # torchrun's root cause
-        print(line, file=sys.stderr, flush=True)
+        say(line)
         sys.exit(code)
 
 

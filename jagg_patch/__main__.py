@@ -5,7 +5,7 @@ seam replaced by JAGG. Works the same under torchrun.
 """
 import sys
 
-from dancegrpo.utils.launch import print_on_rank0
+from dancegrpo.utils.launch import print_on_rank0, say
 
 from .cli import check_trajectory, jagg_config, jagg_plan_text, trainer_cli
 
@@ -54,7 +54,7 @@ def _exit_on_deferred_error(fn):
         try:
             return fn(*args)
         except DeferredError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            say(f"error: {e}")
             sys.exit(1)
     return run
 

@@ -4,7 +4,7 @@ import argparse
 import importlib
 import sys
 
-from dancegrpo.utils.launch import launch_world_size, print_on_rank0
+from dancegrpo.utils.launch import launch_world_size, print_on_rank0, say
 
 from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig, monitor_flag_values
 from .settings import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
@@ -14,7 +14,7 @@ from .seams import SeamError, check_seams
 
 
 def fail(message):
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    say(f"error: {message}")
     sys.exit(2)  # argparse's code for a usage error
 
 

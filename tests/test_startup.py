@@ -111,3 +111,37 @@ assert m.FAMILY.__name__ == "QwenImageFamily" and m.select_train_steps.__name__ 
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+class Writes:
+    """A stderr that keeps each write() apart, as the file descriptor sees them (stderr writes through)."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append(text)
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+@pytest.mark.parametrize("argv", [
+    ["jagg_patch", "json"],
+    ["jagg_patch.upstream", "--jagg_windw", "4", "x.py"],
+    ["dancegrpo.preprocess", "--family", "nope"],
+    ["dancegrpo.train_grpo_flux", "--preset", "tiny", "--output_dir", "{tmp}/file/out", "--max_train_steps", "1"]],
+    ids=["cli-fail", "upstream-fail", "preprocess", "trainer-config-error"])
+def test_an_error_line_is_one_write(argv, tmp_path, monkeypatch, cache_dir):
+    """print() writes a line and its newline apart; two ranks' errors then glued on one line. Each line
+    said is one write of the line and its newline."""
+    from helpers import run_main
+    (tmp_path / "file").write_text("x")
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    argv = [a.format(tmp=tmp_path) for a in argv] + (["--cache_dir", cache_dir] if "--preset" in argv else [])
+    assert run_main(*argv) == 2
+    said = [w for w in stderr.writes if w.startswith("error")]
+    assert said and all(w.endswith("\n") and w.count("\n") == 1 for w in said), stderr.writes
+    assert "\n" not in stderr.writes, stderr.writes

@@ -16,7 +16,6 @@ follows prompts only partly, so GRPO has work to do.
 import json
 import os
 import shutil
-import sys
 import time
 from types import SimpleNamespace
 
@@ -27,6 +26,7 @@ from ..errors import is_disk_full
 from ..models.registry import family_names, family_part
 from . import data
 from ..utils.command_line import CommandParser
+from ..utils.launch import say
 
 SIZE = 64
 
@@ -237,9 +237,9 @@ def main(argv=None):
                      log=lambda m: print(m, flush=True), max_images=args.max_images, world_name=args.world)
     except OSError as e:
         full = is_disk_full(e)
-        print(f"{'stopped' if full else 'error'}: cannot write the build into {args.out!r}: {e.strerror}"
+        say(f"{'stopped' if full else 'error'}: cannot write the build into {args.out!r}: {e.strerror}"
               f"{'' if full else f' ({e.filename})'}; nothing was written there (an earlier build in it is untouched)"
-              f"{': free space and build again' if full else ''}", file=sys.stderr, flush=True)
+              f"{': free space and build again' if full else ''}")
         raise SystemExit(3 if full else 2) from None
 
 

@@ -26,6 +26,7 @@ import torch
 from ..errors import ConfigError
 from ..utils.fsdp_util import apply_activation_checkpointing, broadcast_module_states, resolve_weight_type
 from .base import build_optimizer
+from ..utils.command_line import flag_as_typed
 from .fsdp import FSDPEngine, check_cpu_offload
 from .probe import GradProbe
 
@@ -56,7 +57,7 @@ def device_mesh(device, hybrid, world_size):
         return DeviceMesh.from_group(dist.group.WORLD, kind)
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if world_size % per_node:
-        raise ConfigError(f"--fsdp_sharding_startegy hybrid needs the same ranks on every node: {world_size} ranks "
+        raise ConfigError(f"--fsdp_sharding_strategy hybrid needs the same ranks on every node: {world_size} ranks "
                           f"do not split into nodes of {per_node}")
     return init_device_mesh(kind, (world_size // per_node, per_node), mesh_dim_names=("replicate", "shard"))
 
@@ -115,7 +116,8 @@ class FSDP2Engine(FSDPEngine):
             raise ValueError("--deepspeed_config is given but --engine is fsdp2; add --engine deepspeed")
         check_cpu_offload(args)
         if args.fsdp_sharding_startegy not in SHARDING:
-            raise ValueError(f"--fsdp_sharding_startegy {args.fsdp_sharding_startegy} has no FSDP2 form (FSDP2 "
+            flag = flag_as_typed(args, "fsdp_sharding_startegy", "--fsdp_sharding_strategy")
+            raise ValueError(f"{flag} {args.fsdp_sharding_startegy} has no FSDP2 form (FSDP2 "
                              f"shards: {', '.join(SHARDING)}); use --engine fsdp for NO_SHARD")
 
     @classmethod

@@ -5,16 +5,17 @@ import sys
 
 from ..models.registry import family_names
 from .common import main_for
+from ..utils.launch import say
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) < 2 or argv[0] != "--family":
-        print(f"usage: python -m dancegrpo.preprocess --family {{{','.join(family_names())}}} [its flags, see "
-              "--family NAME --help]", file=sys.stderr)
+        say(f"usage: python -m dancegrpo.preprocess --family {{{','.join(family_names())}}} [its flags, see "
+              "--family NAME --help]")
         raise SystemExit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
     if argv[1] not in family_names():
-        print(f"error: unknown --family {argv[1]!r}; known: {family_names()}", file=sys.stderr)
+        say(f"error: unknown --family {argv[1]!r}; known: {family_names()}")
         raise SystemExit(2)
     return main_for(argv[1], argv[2:])
 

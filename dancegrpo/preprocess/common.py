@@ -17,9 +17,9 @@ import glob
 import hashlib
 import json
 import os
-import sys
 
 from ..utils.command_line import CommandParser
+from ..utils.launch import say
 
 # torch and the collectives load in the functions that use them: --help and a flag error answer first.
 
@@ -44,7 +44,7 @@ def build_parser(model, description, default_max_sequence_length):
 
 def fail(message):
     """Bad input: a message that names the fix, non-zero exit."""
-    print(f"error: {message}", file=sys.stderr)
+    say(f"error: {message}")
     raise SystemExit(2)
 
 

@@ -12,7 +12,7 @@ CONFIG_NAME = "run_config.json"   # in each checkpoint folder
 NEUTRAL = frozenset({
     "output_dir", "resume_from_checkpoint", "max_train_steps", "checkpointing_steps", "checkpoints_total_limit",
     "report_to", "logging_dir", "dataloader_num_workers", "cache_dir", "preset", "allow_config_change",
-    "overwrite_output_dir", "explicit_flags", "resume_from_lora_checkpoint", "lora_save_merged",
+    "overwrite_output_dir", "explicit_flags", "typed_flags", "resume_from_lora_checkpoint", "lora_save_merged",
 })
 MISSING = "(not set)"
 

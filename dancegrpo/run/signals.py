@@ -9,11 +9,11 @@ unconditionally after GRACE_S if the step cannot finish.
 """
 import os
 import signal
-import sys
 import threading
 import time
 
 from ..utils.communications import all_reduce_max
+from ..utils.launch import say
 
 GRACE_S = 120.0  # after the launcher's death, the longest a worker waits for its step to finish
 # The launcher's death reaches no worker as a signal (SIGKILL, a crash): it is recorded as SIGHUP, the
@@ -47,18 +47,16 @@ class StopRequest:
         if self.signum is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.signum = signum
-        print(f"\n{NAMES.get(signum, signum)} received: finishing this step, then saving a checkpoint and "
-              "stopping (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        say(f"\n{NAMES.get(signum, signum)} received: finishing this step, then saving a checkpoint and "
+              "stopping (Ctrl-C again to stop at once)")
 
     def _watch_parent(self, parent):
         while os.getppid() == parent:
             time.sleep(0.5)
-        print(f"rank pid {os.getpid()}: the launcher (pid {parent}) is gone; stopping after this step",
-              file=sys.stderr, flush=True)
+        say(f"rank pid {os.getpid()}: the launcher (pid {parent}) is gone; stopping after this step")
         self.signum = LAUNCHER_GONE
         time.sleep(GRACE_S)
-        print(f"pid {os.getpid()}: step did not finish within {GRACE_S:.0f} s of the launcher's death; exiting",
-              file=sys.stderr, flush=True)
+        say(f"pid {os.getpid()}: step did not finish within {GRACE_S:.0f} s of the launcher's death; exiting")
         os._exit(1)
 
     def pending(self, device):

@@ -28,3 +28,16 @@ class CommandParser(argparse.ArgumentParser):
         if unknown:
             self.error(f"unrecognized arguments: {' '.join(unknown)}")
         return super().parse_args(args, namespace)
+
+
+def typed_flags(parser, argv):
+    """{dest: the option string written on the command line} (a flag with two spellings, upstream's
+    --fsdp_sharding_startegy and --fsdp_sharding_strategy, is named in errors as the user wrote it)."""
+    actions = parser._option_string_actions
+    return {actions[tok.split("=", 1)[0]].dest: tok.split("=", 1)[0] for tok in argv
+            if tok.split("=", 1)[0] in actions}
+
+
+def flag_as_typed(args, dest, default):
+    """The option string the user wrote for `dest`, else `default` (how errors name a flag)."""
+    return getattr(args, "typed_flags", {}).get(dest, default)

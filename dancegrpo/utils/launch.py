@@ -1,6 +1,8 @@
 """What torchrun tells a process before any process group exists (its rank, the rank count), and a
-line said once per run: read from the environment, without torch, by launchers and command lines."""
+line said once per run or by every rank: read from the environment, without torch, by launchers and
+command lines."""
 import os
+import sys
 
 
 def launch_rank():
@@ -14,7 +16,16 @@ def launch_world_size():
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def say(message, file=None):
+    """`message` and its newline in ONE write, flushed. print() writes them apart, and stderr writes
+    through: two ranks' lines then land glued on one line ("error: Aerror: B"); one write of a line
+    shorter than the pipe's atomic size (4 KiB) is never cut by another process's."""
+    file = sys.stderr if file is None else file
+    file.write(f"{message}\n")
+    file.flush()
+
+
 def print_on_rank0(message, file=None):
     """A line said once per run, not once per rank."""
     if launch_rank() == 0:
-        print(message, file=file, flush=True)
+        say(message, sys.stdout if file is None else file)

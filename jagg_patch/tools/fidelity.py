@@ -26,6 +26,7 @@ if __name__ == "__main__":   # --help and flag errors, before torch loads
 from ..cli import check_trajectory, trainer_cli  # noqa: E402
 from .diagnostics import measure_rollout, setup_diagnostics  # noqa: E402
 from .tool_args import add_fidelity_args  # noqa: E402
+from dancegrpo.utils.launch import say
 
 
 def _stats(values):
@@ -111,7 +112,7 @@ def main(argv=None):
     args = parse_args(parser, rest)
     check_trajectory(args)
     if args.fid_rollouts < 1:
-        print("error: --fid_rollouts must be >= 1", file=sys.stderr)
+        say("error: --fid_rollouts must be >= 1")
         sys.exit(2)
     result = exit_on_config_error(run_fidelity)(module, args)
     markdown = format_markdown(result["groups"], result["window"], result["family"], result["rollouts"],

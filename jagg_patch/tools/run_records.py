@@ -3,13 +3,13 @@ metrics.jsonl, jagg_patch.upstream's jagg_metrics.jsonl (its last run), a plain 
 file(s), and the JSON the tools write; bad input is a CompareError (one line, exit 2)."""
 import json
 import os
-import sys
 
 from dancegrpo.errors import ConfigError
+from dancegrpo.utils.launch import say
 
 
 def warn(message):
-    print(f"warning: {message}", file=sys.stderr, flush=True)
+    say(f"warning: {message}")
 
 
 class CompareError(ConfigError):

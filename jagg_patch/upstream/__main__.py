@@ -12,7 +12,7 @@ import os
 import sys
 
 from dancegrpo.errors import exit_on_config_error
-from dancegrpo.utils.launch import launch_rank
+from dancegrpo.utils.launch import launch_rank, say
 
 from ..cli import add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto
 from ..settings import resolve_backward
@@ -285,7 +285,7 @@ def run_deferred_errors(fn):
     try:
         return fn()
     except (DeferredError, UpstreamUnsupported) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}")
         sys.exit(1)
 
 

@@ -15,6 +15,15 @@ def test_what_fsdp2_cannot_map_is_refused_at_parse_time(make_args, capsys, flags
     assert stop.value.code == 2 and message in err.splitlines()[0] and "Traceback" not in err
 
 
+@pytest.mark.parametrize("flag", ["--fsdp_sharding_strategy", "--fsdp_sharding_startegy"])
+def test_the_sharding_error_names_the_flag_as_it_was_typed(make_args, capsys, flag):
+    """The flag has upstream's misspelt name and the right one: the error says the one the user wrote."""
+    with pytest.raises(SystemExit):
+        make_args("--engine", "fsdp2", flag, "none")
+    first = capsys.readouterr().err.splitlines()[0]
+    assert f"{flag} none has no FSDP2 form" in first, first
+
+
 @pytest.mark.parametrize("engine", ["fsdp", "fsdp2"])
 def test_cpu_offload_without_a_gpu_is_one_line_at_parse_time(make_args, capsys, engine):
     """FSDP1 failed at the first forward of a CPU run with it; both engines now answer at the parse."""
