@@ -27,6 +27,7 @@ from dancegrpo.engines.probe import GradProbe
 from dancegrpo.utils.launch import print_on_rank0
 
 from .similarity import gradient_similarity
+from .spread import spread as sample_spread
 
 MEASURED = ("jagg", "endpoints")
 
@@ -49,10 +50,8 @@ def spread(values):
         if not name.startswith("jagg_cos/"):
             continue
         position = name[len("jagg_cos/"):]
-        n = len(cosines)
-        mean = sum(cosines) / n
-        out[f"jagg_cos_sd/{position}"] = (sum((c - mean) ** 2 for c in cosines) / (n - 1)) ** 0.5 if n > 1 else 0.0
-        out[f"jagg_cos_n/{position}"] = n
+        out[f"jagg_cos_sd/{position}"] = sample_spread(cosines)["sd"]
+        out[f"jagg_cos_n/{position}"] = len(cosines)
     return out
 
 

@@ -25,16 +25,15 @@ if __name__ == "__main__":   # --help and flag errors, before torch loads
 
 from ..cli import check_trajectory, trainer_cli  # noqa: E402
 from .diagnostics import measure_rollout, setup_diagnostics  # noqa: E402
+from ..spread import spread  # noqa: E402
 from .tool_args import add_fidelity_args  # noqa: E402
 from dancegrpo.utils.launch import say
 
 
 def _stats(values):
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return dict(mean=float("nan"), std=float("nan"), min=float("nan"), max=float("nan"))
-    return dict(mean=statistics.fmean(values), std=statistics.pstdev(values) if len(values) > 1 else 0.0,
-                min=min(values), max=max(values))
+    """The row's fields of one quantity over the rollouts: mean, sample sd (its `std` column), range."""
+    found = spread(values)
+    return dict(mean=found["mean"], std=found["sd"], min=found["min"], max=found["max"])
 
 
 def aggregate(per_rollout):
@@ -61,7 +60,7 @@ def format_markdown(rows, window, family, rollouts, samples, grouping="trained")
     lines = [f"## Gradient fidelity: {family}, window {window}, grouping {grouping}, {rollouts} rollout(s) x "
              f"{samples} samples",
              "",
-             "cos = cosine(group gradient, exact group gradient); mean ± std over rollouts [min, max]; "
+             "cos = cosine(group gradient, exact group gradient); mean ± sample sd over rollouts [min, max]; "
              "relerr = |g - g_exact| / |g_exact| (mean). JAGG: timestep alpha (the paper); JAGG index: "
              "alpha j / (W-1) (the authors' code).",
              "",

@@ -26,6 +26,7 @@ from dancegrpo.utils.plots import plot_mean_spread
 
 from .compare import summarize
 from .run_records import CompareError, load_metrics, read_json
+from ..spread import spread
 from .reports import json_text, output_errors
 from dancegrpo.utils.command_line import CommandParser
 
@@ -60,18 +61,10 @@ def eval_points(folder):
     return points
 
 
-def spread(values):
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return dict(mean=float("nan"), sd=float("nan"), low=float("nan"), high=float("nan"))
-    return dict(mean=statistics.fmean(values), sd=statistics.stdev(values) if len(values) > 1 else 0.0,
-                low=min(values), high=max(values))
-
-
 def _band(per_seed_series):
     """[[y per step] per seed] (same length) -> {"mean", "low", "high"} lists."""
     stats = [spread(list(column)) for column in zip(*per_seed_series)]
-    return {k: [s[k] for s in stats] for k in ("mean", "low", "high")}
+    return {"mean": [s["mean"] for s in stats], "low": [s["min"] for s in stats], "high": [s["max"] for s in stats]}
 
 
 def collect(root, metric, ma_window=5, variants=None):
