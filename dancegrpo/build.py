@@ -9,17 +9,19 @@ from .adapters import build_adapter
 from .algo.grpo import num_train_timesteps
 from .algo.ratio_stats import RatioMeter
 from .algo.sde import model_timesteps, sigma_schedule
+from .digits.data import digit_of_prompt
 from .engines import build_engine
-from .utils.precision import compute_autocast, describe_precision
 from .rewards import WeightedReward
 from .run.resume import tool_plan
 from .run.run_config import config_id, snapshot
+from .samples import grid_rows
 from .utils import checkpoint as ckpt
 from .utils.activation_meter import ActivationMeter
 from .utils.communications import init_distributed
 from .utils.data import PromptEmbeddingDataset, infinite_prompt_batches
 from .utils.ema import ParamEMA
 from .utils.metrics import PassCounter
+from .utils.precision import compute_autocast, describe_precision
 from .utils.state_bytes import describe_bytes, per_rank_bytes
 
 
@@ -62,6 +64,7 @@ class TrainContext:
     # What every step record says the run is: its precision and config_id (equal over a resumed run's
     # segments unless --allow_config_change changed a flag), for the tools that compare runs.
     record_labels: dict = field(default_factory=dict)
+    sample_rows: list = None          # the dataset rows of the sample grids (one per digit in the digits world)
 
     # The engine owns the optimizer and its schedule; these are its, never copies.
     @property
@@ -114,7 +117,8 @@ def setup(args, family, plan=None):
                        rank=rank, world_size=world_size, seed=seed, ema=ema, engine=engine, step=start_step,
                        resumed_update_state=(state or {}).get("policy_update"), resumed_from=resume,
                        dataset=dataset, num_params=num_params, num_trainable=num_trainable, adapter=adapter,
-                       record_labels=record_labels(args, seed, world_size, device))
+                       record_labels=record_labels(args, seed, world_size, device),
+                       sample_rows=grid_rows([item["caption"] for item in dataset.items], digit_of_prompt))
     if args.kl_beta > 0:
         def run(module, latents, timesteps, cond):
             with compute_autocast(device, args.mixed_precision):

@@ -7,7 +7,6 @@ message says which quantity or event, at which step, and what to try; exit code 
 import errno
 import functools
 import sys
-from .utils.launch import say
 
 
 def is_disk_full(error):
@@ -48,6 +47,15 @@ class Interrupted(RunHalted):
     def __init__(self, message, signum):
         super().__init__(message)
         self.exit_code = 128 + signum  # the shell's convention for "ended by signal N"
+
+
+def say(message, file=None):
+    """`message` and its newline in ONE write, flushed. print() writes them apart, and stderr writes
+    through: two ranks' lines then land glued on one line ("error: Aerror: B"); one write of a line
+    shorter than the pipe's atomic size (4 KiB) is never cut by another process's."""
+    file = sys.stderr if file is None else file
+    file.write(f"{message}\n")
+    file.flush()
 
 
 def say_stopped(error):

@@ -7,7 +7,7 @@ import os
 
 from .errors import ConfigError
 from .utils.atomic import write_text
-from .utils.launch import say
+from .errors import say
 
 
 # What makes two rows comparable: a row whose images were drawn otherwise differs by its settings alone.

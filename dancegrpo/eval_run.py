@@ -14,15 +14,15 @@ from .errors import NonFiniteError
 from .eval_report import (earlier_summaries, eval_settings, merged_summaries, nonfinite_summary,
                           settings_line, table_header, table_row, write_comparison)
 from .eval_inputs import EvalError, preset_mismatch, read_prompt_file, safe_name
-from .models.checkpoints import load_transformer, load_vae, precheck_checkpoint
+from .eval_models import load_transformer, load_vae, precheck_checkpoint
 from .models.registry import family_class
 from .rewards import WeightedReward
 from .run.finite import nonfinite_parameters
 from .run.rundir import RunLock
 from .utils.atomic import write_atomically, write_text
 from .utils.precision import compute_autocast, describe_precision
-from .utils.samples import tile
-from .utils.launch import say
+from .samples import tile
+from .errors import say
 
 
 def select_prompts(args, dataset):

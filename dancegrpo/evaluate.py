@@ -44,7 +44,7 @@ from .models.registry import family_names
 from .rewards import RewardNotFiniteError, add_reward_args, parse_reward_spec
 from .run.readers import ReaderLock, run_folder_of
 from .utils.command_line import CommandParser
-from .utils.launch import say
+from .errors import say
 
 DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream's Flux training geometry
 

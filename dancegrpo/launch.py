@@ -15,7 +15,7 @@ Three things differ from a plain `torchrun`, all about stopping:
 """
 import os
 import sys
-from .utils.launch import say
+from .errors import say
 
 DEFAULT_GRACE_S = 900
 GRACE_ENV = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"

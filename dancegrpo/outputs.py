@@ -9,8 +9,9 @@ from .algo.rollout import predict_velocity
 from .errors import DiskFullError, is_disk_full
 from .run.finite import require_finite
 from .run.readers import exclusive
-from .run.run_config import snapshot
-from .utils import checkpoint as ckpt, samples
+from .run.run_config import CONFIG_NAME, snapshot
+from . import samples
+from .utils import checkpoint as ckpt
 from .utils.communications import all_reduce_max
 from .utils.data import collate_prompts
 from .utils.plots import moving_average, plot_reward_curves
@@ -36,7 +37,8 @@ def save(ctx, step, update_state=None):
         _retain(out, lambda: ckpt.make_room(out, limit, ckpt.checkpoint_dir(out, step), protect=(resumed,)))
     path = ckpt.save_checkpoint(out, step, 0, ctx.engine, ctx.raw_transformer.config, ctx.rank,
                                 ema_state=ema_state, extra_state={"seed": ctx.seed, "policy_update": update_state},
-                                run_config=snapshot(ctx.args, ctx.seed, ctx.world_size), weights_format=weights_format)
+                                json_files={CONFIG_NAME: snapshot(ctx.args, ctx.seed, ctx.world_size)},
+                                weights_format=weights_format)
     ctx.saved_since_resume = True
     if ctx.rank == 0 and limit:
         _retain(out, lambda: ckpt.prune_checkpoints(out, limit, protect=(path,)))
@@ -81,8 +83,8 @@ def _retain(output_dir, prune):
 def write_samples(ctx, step):
     """The sample grid of the weights after `step` (collective under FSDP; rank 0 decodes and writes)."""
     dataset = ctx.dataset
-    rows = samples.grid_rows([item["caption"] for item in dataset.items])
-    cond = {k: v.to(ctx.device) for k, v in collate_prompts([dataset[i] for i in rows]).items() if k != "caption"}
+    cond = {k: v.to(ctx.device) for k, v in collate_prompts([dataset[i] for i in ctx.sample_rows]).items()
+            if k != "caption"}
     ctx.transformer.eval()
     latents = samples.sample_latents(ctx.family, lambda z, t, c: predict_velocity(ctx, z, t, c), ctx.sigmas,
                                      ctx.timesteps, cond)

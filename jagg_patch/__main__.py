@@ -5,7 +5,8 @@ seam replaced by JAGG. Works the same under torchrun.
 """
 import sys
 
-from dancegrpo.utils.launch import print_on_rank0, say
+from dancegrpo.utils.launch import print_on_rank0
+from dancegrpo.errors import say
 
 from .cli import check_trajectory, jagg_config, jagg_plan_text, trainer_cli
 

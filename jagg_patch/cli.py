@@ -4,7 +4,8 @@ import argparse
 import importlib
 import sys
 
-from dancegrpo.utils.launch import launch_world_size, print_on_rank0, say
+from dancegrpo.utils.launch import launch_world_size, print_on_rank0
+from dancegrpo.errors import say
 
 from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig, monitor_flag_values
 from .settings import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward

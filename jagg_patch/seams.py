@@ -41,7 +41,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.utils.launch", "launch_rank", ()),
     ("dancegrpo.utils.launch", "launch_world_size", ()),
     ("dancegrpo.utils.launch", "print_on_rank0", ("message", "file")),
-    ("dancegrpo.utils.launch", "say", ("message", "file")),
+    ("dancegrpo.errors", "say", ("message", "file")),
     ("dancegrpo.utils.lazy", "lazy_exports", ("package", "exports")),
     ("dancegrpo.utils.communications", "all_reduce_max", ("value", "device")),
     ("dancegrpo.utils.communications", "all_reduce_mean", ("value", "device")),

@@ -26,7 +26,7 @@ from ..errors import is_disk_full
 from ..models.registry import family_names, family_part
 from . import data
 from ..utils.command_line import CommandParser
-from ..utils.launch import say
+from ..errors import say
 
 SIZE = 64
 

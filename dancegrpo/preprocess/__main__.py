@@ -5,7 +5,7 @@ import sys
 
 from ..models.registry import family_names
 from .common import main_for
-from ..utils.launch import say
+from ..errors import say
 
 
 def main(argv=None):

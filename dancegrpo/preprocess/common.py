@@ -19,7 +19,7 @@ import json
 import os
 
 from ..utils.command_line import CommandParser
-from ..utils.launch import say
+from ..errors import say
 
 # torch and the collectives load in the functions that use them: --help and a flag error answer first.
 

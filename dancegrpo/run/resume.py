@@ -8,7 +8,8 @@ import random
 
 from ..utils import checkpoint as ckpt
 from ..errors import ConfigError
-from .run_config import describe_differences, differences, snapshot, world_size_change
+from .run_config import (CONFIG_NAME, describe_differences, differences, read_run_config, snapshot,
+                         world_size_change)
 from .rundir import claim_output_dir
 
 
@@ -17,7 +18,7 @@ def plan_run(args, run_id, log=print, world_size=1):
     locked output folder. Returns (lock, {"resume": path or None, "seed": int})."""
     resume = ckpt.resolve_resume_path(args.resume_from_checkpoint, args.output_dir, log=log) \
         if args.resume_from_checkpoint else None
-    saved = ckpt.read_run_config(resume) if resume else None
+    saved = read_run_config(resume) if resume else None
     full_resume = resume is not None and ckpt.checkpoint_problem(resume) is None
     lock = claim_output_dir(args.output_dir, run_id, resuming=full_resume, overwrite=args.overwrite_output_dir,
                             log=log)
@@ -33,7 +34,7 @@ def plan_run(args, run_id, log=print, world_size=1):
                 "checkpoint-ema-STEP-EPOCH folder, or one without training state): training starts from these "
                 "weights at step 0 with FRESH optimizer state, learning-rate schedule and EMA")
         elif resume and saved is None:
-            log(f"notice: {resume!r} has no {ckpt.CONFIG_NAME}: the flags cannot be compared with the run that "
+            log(f"notice: {resume!r} has no {CONFIG_NAME}: the flags cannot be compared with the run that "
                 "wrote it")
         current = snapshot(args, seed, world_size)
         diffs = differences(saved, current) if saved else []

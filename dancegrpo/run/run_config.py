@@ -6,6 +6,7 @@ Every flag counts except those that only say where files go, how long to run, or
 differs from the one the checkpoint belongs to.
 """
 import json
+import os
 
 CONFIG_NAME = "run_config.json"   # in each checkpoint folder
 
@@ -18,6 +19,15 @@ MISSING = "(not set)"
 
 
 WORLD_SIZE = "world_size"   # not a flag: the number of ranks that ran it
+
+
+def read_run_config(folder):
+    """The run_config.json a checkpoint folder holds, or None (a checkpoint from before it existed)."""
+    path = os.path.join(folder, CONFIG_NAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def snapshot(args, seed, world_size):

@@ -13,7 +13,7 @@ import threading
 import time
 
 from ..utils.communications import all_reduce_max
-from ..utils.launch import say
+from ..errors import say
 
 GRACE_S = 120.0  # after the launcher's death, the longest a worker waits for its step to finish
 # The launcher's death reaches no worker as a signal (SIGKILL, a crash): it is recorded as SIGHUP, the

@@ -5,7 +5,8 @@
                                                             the full model, written by rank 0)
         training_state.pt                                  (scheduler, step, seed: for resume)
         optimizer/.metadata, optimizer/__<rank>_0.distcp   (AdamW state, one shard per rank: optimizer_shards)
-        run_config.json                                    (the flags of the run, for resume checks)
+        run_config.json                                    (the flags of the run, for resume checks: a JSON
+                                                            file the caller names, dancegrpo.run.run_config)
         ema/config.json, ema/diffusion_pytorch_model.safetensors   (with --use_ema)
         MANIFEST.json                                      (every file's size; written last)
 
@@ -29,7 +30,6 @@ from safetensors.torch import load_file, save_file
 from . import optimizer_shards
 from .communications import all_reduce_max, barrier
 from ..errors import ConfigError, DiskFullError, MissingFileError, RunHalted, is_disk_full
-from ..run.run_config import CONFIG_NAME
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"  # diffusers' name for an adapter (dancegrpo.adapters.lora)
@@ -93,15 +93,15 @@ def _finish_folder(folder):
     os.chmod(os.path.join(folder, MANIFEST_NAME), 0o666 & ~umask)
 
 
-def _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config, weights_format):
+def _write_checkpoint(tmp, final, weights, config, ema_state, state, json_files, weights_format):
     """Rank 0's files into `tmp` (which already holds every rank's optimizer shard), then the rename."""
     weights_format.write(tmp, weights, config)
     if ema_state is not None:
         weights_format.write(os.path.join(tmp, "ema"), ema_state, config)
     torch.save(state, os.path.join(tmp, STATE_NAME))
-    if run_config is not None:
-        with open(os.path.join(tmp, CONFIG_NAME), "w") as f:
-            json.dump(run_config, f, indent=1, sort_keys=True)
+    for name, value in (json_files or {}).items():
+        with open(os.path.join(tmp, name), "w") as f:
+            json.dump(value, f, indent=1, sort_keys=True)
     _finish_folder(tmp)
     old = final + ".old"
     if os.path.isdir(final):
@@ -149,10 +149,11 @@ def _disk_full(output_dir, final, cause):
 
 
 def save_checkpoint(output_dir, step, epoch, engine, config, rank, ema_state=None, extra_state=None,
-                    run_config=None, weights_format=FullWeights):
+                    json_files=None, weights_format=FullWeights):
     """Collective: every rank calls it. Every rank writes its share of the `engine`'s state
     (dancegrpo.engines), rank 0 the weights (`weights_format`: full transformer folder or LoRA
-    adapter) and the rest. Returns the final folder."""
+    adapter), the {file name: JSON value} of `json_files` (the run's config) and the rest. Returns
+    the final folder."""
     weights = engine.full_state(weights_format.trainable_only)
     final = checkpoint_dir(output_dir, step, epoch)
     tmp = final + ".tmp"
@@ -166,7 +167,7 @@ def save_checkpoint(output_dir, step, epoch, engine, config, rank, ema_state=Non
         if rank == 0:
             state = {"step": step, "epoch": epoch, "lr_scheduler": engine.lr_scheduler.state_dict(),
                      **(extra_state or {})}
-            _write_checkpoint(tmp, final, weights, config, ema_state, state, run_config, weights_format)
+            _write_checkpoint(tmp, final, weights, config, ema_state, state, json_files, weights_format)
     except (Exception, CheckpointException) as e:  # noqa: BLE001  (DCP wraps a rank's OSError in its own
         error = e                                    # exception type, a BaseException)
         if rank == 0:
@@ -260,14 +261,6 @@ def resolve_resume_path(spec, output_dir, log=print):
         raise ConfigError(f"--resume_from_checkpoint {spec!r} is damaged ({problem}); pass an earlier checkpoint "
                           "or 'latest' (which skips damaged ones)")
     return spec
-
-
-def read_run_config(folder):
-    path = os.path.join(folder, CONFIG_NAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
 
 
 def _delete_beyond(paths, keep, protect):

@@ -1,8 +1,10 @@
 """What torchrun tells a process before any process group exists (its rank, the rank count), and a
-line said once per run or by every rank: read from the environment, without torch, by launchers and
-command lines."""
+line said once per run: read from the environment, without torch, by launchers and command lines."""
 import os
 import sys
+
+from ..errors import say
+
 
 
 def launch_rank():
@@ -14,15 +16,6 @@ def launch_rank():
 def launch_world_size():
     """The number of ranks torchrun started (1 outside torchrun)."""
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def say(message, file=None):
-    """`message` and its newline in ONE write, flushed. print() writes them apart, and stderr writes
-    through: two ranks' lines then land glued on one line ("error: Aerror: B"); one write of a line
-    shorter than the pipe's atomic size (4 KiB) is never cut by another process's."""
-    file = sys.stderr if file is None else file
-    file.write(f"{message}\n")
-    file.flush()
 
 
 def print_on_rank0(message, file=None):

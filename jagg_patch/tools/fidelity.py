@@ -14,7 +14,6 @@ for both alpha rules and of cos(endpoints, exact). With --fid_out: fidelity.json
 averaged), fidelity.csv and fidelity.md. Window 2 reproduces the exact gradient (cosine 1).
 """
 import json
-import math
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ from ..cli import check_trajectory, trainer_cli  # noqa: E402
 from .diagnostics import measure_rollout, setup_diagnostics  # noqa: E402
 from ..spread import spread  # noqa: E402
 from .tool_args import add_fidelity_args  # noqa: E402
-from dancegrpo.utils.launch import say
+from dancegrpo.errors import say
 
 
 def _stats(values):

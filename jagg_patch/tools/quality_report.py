@@ -15,7 +15,6 @@ A variant missing from some seed, or a seed lacking the final evaluation of a va
 error naming the folder: the mean would silently average different seed sets.
 """
 import argparse
-import math
 import os
 import re
 import statistics

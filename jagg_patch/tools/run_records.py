@@ -5,7 +5,7 @@ import json
 import os
 
 from dancegrpo.errors import ConfigError
-from dancegrpo.utils.launch import say
+from dancegrpo.errors import say
 
 
 def warn(message):

@@ -202,11 +202,12 @@ def test_grpo_and_jagg_raise_the_heldout_rate_above_the_shuffled_control(make_ar
 
 # ------------------------------------------------------------------ sample grids and the reward curve
 def test_grid_rows_one_prompt_per_digit_else_the_first_prompts():
-    from dancegrpo.utils.samples import MAX_ROWS, grid_rows
+    from dancegrpo.samples import MAX_ROWS, grid_rows
     captions = [p for p, _ in data.all_prompts()][::-1]  # digit 9's phrasings first
-    rows = grid_rows(captions)
+    rows = grid_rows(captions, data.digit_of_prompt)
     assert [data.digit_of_prompt(captions[i]) for i in rows] == list(range(10))
-    assert grid_rows([f"prompt {chr(97 + i)}" for i in range(15)]) == list(range(MAX_ROWS))
+    assert grid_rows([f"prompt {chr(97 + i)}" for i in range(15)], data.digit_of_prompt) == list(range(MAX_ROWS))
+    assert grid_rows(captions) == list(range(MAX_ROWS))   # no labels given: the first prompts
 
 
 def test_sample_grids_are_fixed_and_do_not_disturb_training(make_args, tmp_path):

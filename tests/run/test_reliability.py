@@ -632,7 +632,8 @@ def test_a_full_disk_under_the_metrics_or_a_grid_keeps_the_step_in_a_checkpoint(
     """ENOSPC while writing step 2's metrics line (half of it written) or its sample grid: exit 3 with the
     full-disk message, step 2 kept in checkpoint-2-0, nothing written before lost, no partial file left;
     the run resumes from there and ends as the unbroken one."""
-    from dancegrpo.utils import metrics as metrics_module, samples
+    from dancegrpo import samples
+    from dancegrpo.utils import metrics as metrics_module
     out = tmp_path / "out"
     argv = [*FAST, "--max_train_steps", 3, "--checkpointing_steps", 3, "--sample_every", 1]
     train_grpo_flux.main(make_args(*argv, "--output_dir", tmp_path / "unbroken"))

@@ -6,22 +6,24 @@ import os
 import torch
 from PIL import Image
 
-from ..algo.sampling import denoise, ode
-from .atomic import write_atomically
+from .algo.sampling import denoise, ode
+from .utils.atomic import write_atomically
 
 COLUMNS = 4
 MAX_ROWS = 10
 SEED = 1234
 
 
-def grid_rows(captions):
-    """Dataset indices of the row prompts: in the digits world one prompt per digit, in digit
-    order; otherwise the first MAX_ROWS prompts."""
-    from ..digits.data import digit_of_prompt
+def grid_rows(captions, label_of=None):
+    """Dataset indices of the row prompts: where every caption has a label (`label_of(caption)`,
+    ValueError where one has none: the digits world's digit), one prompt per label in label order;
+    otherwise the first MAX_ROWS prompts."""
     first = {}
     try:
+        if label_of is None:
+            raise ValueError("no labels")
         for i, caption in enumerate(captions):
-            first.setdefault(digit_of_prompt(caption), i)
+            first.setdefault(label_of(caption), i)
     except ValueError:
         return list(range(min(MAX_ROWS, len(captions))))
     return [first[d] for d in sorted(first)]

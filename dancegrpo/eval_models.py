@@ -6,8 +6,8 @@ import os
 
 import torch
 
-from ..adapters.origin import AdapterMismatch, check_adapter, origin_problem, read_origin
-from ..errors import ConfigError, MissingFileError
+from .adapters.origin import AdapterMismatch, check_adapter, origin_problem, read_origin
+from .errors import ConfigError, MissingFileError
 
 WEIGHTS_FILES = ("diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.safetensors.index.json",
                  "diffusion_pytorch_model.bin")
