@@ -193,6 +193,17 @@ class Standin:
         prompts = (iter([self.batch]),) if self.family == "flux" else self.batch
         return (*common, *prompts, *tail, *ema)
 
+    def own_and_exact_steps(self):
+        """(the file's own step, the adapter's exact mode restated, its stats): each as `step` returns it,
+        from the same starting weights and seed."""
+        from jagg_patch.upstream import apply, revert
+        own = self.step()
+        apply(self.module, mode="exact", restated=True)
+        try:
+            return own, self.step(), self.module.train_one_step.last_stats
+        finally:
+            revert(self.module)
+
     def step(self, seed=7):
         """(returns, gradients at each optimizer step, global RNG state afterwards, weights afterwards)."""
         torch.manual_seed(seed)

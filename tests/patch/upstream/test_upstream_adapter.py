@@ -149,13 +149,8 @@ def test_launcher_stops_on_a_changed_upstream_before_loading_models(tmp_path):
 @pytest.mark.parametrize("key", [k for k in FILES if k not in VIDEO])   # the video trainers: test_upstream_video
 def test_exact_mode_reproduces_upstreams_own_step(key, cache_dir, tmp_path):
     standin = Standin(key, cache_dir, tmp_path)
-    (loss, norm), grads, rng, weights = standin.step()
-    apply(standin.module, mode="exact", restated=True)
-    try:
-        (loss2, norm2), grads2, rng2, weights2 = standin.step()
-        stats = standin.module.train_one_step.last_stats
-    finally:
-        revert(standin.module)
+    ((loss, norm), grads, rng, weights), ((loss2, norm2), grads2, rng2, weights2), stats = \
+        standin.own_and_exact_steps()
     assert len(grads) == len(grads2) == B // GA
     assert all(rel(g2, g) < 1e-12 for g, g2 in zip(grads, grads2))   # measured ~1e-16
     assert torch.equal(rng, rng2)   # the same draws, in the same order

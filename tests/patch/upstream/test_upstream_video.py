@@ -43,13 +43,8 @@ def test_exact_mode_is_the_stand_ins_own_step(key, flags, grouped, cache_dir, tm
     """GA 2: with best-of-n 3 the third sample's gradient is never stepped (upstream's), with 6 of a batch of
     4 the top and the bottom overlap and two samples train twice."""
     standin = Standin(key, cache_dir, tmp_path, *flags, group=grouped)
-    (loss, norm), grads, rng, weights = standin.step()
-    apply(standin.module, mode="exact", restated=True)
-    try:
-        (loss2, norm2), grads2, rng2, weights2 = standin.step()
-        stats = standin.module.train_one_step.last_stats
-    finally:
-        revert(standin.module)
+    ((loss, norm), grads, rng, weights), ((loss2, norm2), grads2, rng2, weights2), stats = \
+        standin.own_and_exact_steps()
     trained = standin.args.bestofn if key == "hunyuan" and standin.args.bestofn != B else B
     assert len(grads) == len(grads2) == trained // 2
     assert all(rel(g2, g) < 1e-12 for g, g2 in zip(grads, grads2))
@@ -81,12 +76,7 @@ def test_hunyuan_rewards_of_more_digits_than_float32_train_and_print_as_upstream
         return [{k: torch.tensor(v, dtype=torch.float64) / 3 for k, v in scores.items()}]
     monkeypatch.setattr(setup.VideoAlign, "reward", float64_scores)
     standin = Standin("hunyuan", cache_dir, tmp_path, "--bestofn", 3, "--mq_coef", 0.5)
-    (loss, norm), grads, rng, _ = standin.step()
-    apply(standin.module, mode="exact", restated=True)
-    try:
-        (loss2, norm2), grads2, rng2, _ = standin.step()
-    finally:
-        revert(standin.module)
+    ((loss, norm), grads, _, _), ((loss2, norm2), grads2, _, _), _ = standin.own_and_exact_steps()
     assert all(rel(g2, g) < 1e-12 for g, g2 in zip(grads, grads2)) and abs(loss2 - loss) < 1e-14
     files = reward_lines()
     assert all(len(lines) == 2 and lines[0] == lines[1] for lines in files.values()), files
