@@ -107,9 +107,10 @@ def uneven_split(family, name, world_size):
         return None
     fits = [str(n) for n in range(1, num_prompts + 1) if num_prompts % n == 0 and ga % n == 0]
     generations = defaults["num_generations"] if defaults.get("use_group") else 1
+    sizes = f"{', '.join(fits[:-1])} or {fits[-1]} ranks" if len(fits) > 1 else "1 rank"
     return (f"--preset {name} trains {num_prompts} prompts x {generations} generations per step (GA {ga}), "
-            f"which {world_size} ranks cannot split evenly: launch {', '.join(fits[:-1])} or {fits[-1]} ranks, or give "
-            "--train_batch_size and --gradient_accumulation_steps for this world size yourself")
+            f"which {world_size} ranks cannot split evenly: launch {sizes}, or give --train_batch_size and "
+            "--gradient_accumulation_steps for this world size yourself")
 
 
 def preset_defaults(family, name, cache_dir):
