@@ -56,6 +56,56 @@ def trainer_cli(argv, tool, usage, complete=False):
     return module, parser, argv[1:]
 
 
+def take_flags(parser, args, stop_at_positional=False):
+    """(the parser's flags with their values, the other arguments), in their order; stop_at_positional:
+    the other arguments start at the first one that is not a JAGG flag."""
+    takes_value = {a.option_strings[0]: a.nargs != 0 for a in parser._actions if a.option_strings}
+    jagg, others, i = [], [], 0
+    while i < len(args):
+        name = args[i].split("=", 1)[0]
+        if name in takes_value:
+            n = 2 if takes_value[name] and "=" not in args[i] else 1
+            jagg += args[i:i + n]
+            i += n
+        elif stop_at_positional:
+            return jagg, list(args[i:])
+        else:
+            others.append(args[i])
+            i += 1
+    return jagg, others
+
+
+def unknown_flag(parser, flag, what="the file"):
+    """One line for a flag the adapter does not know where only its own flags may stand (before the
+    trainer file) or that looks like one of them (--jagg_*), naming the closest."""
+    import difflib
+    known = [o for a in parser._actions for o in a.option_strings]
+    close = difflib.get_close_matches(flag, known, n=1)
+    hint = f"did you mean {close[0]}? " if close else ""
+    where = "" if flag.startswith("--jagg") else f" before {what} (its own flags go after it)"
+    return f"unknown flag {flag}{where}; {hint}see --help"
+
+
+def split_launcher_argv(parser, argv, what="the file", separator=None):
+    """A launcher's command line `[its flags] FILE [its flags and the file's own]` -> (its flag tokens,
+    FILE or None, the file's own arguments). Its flags stand before the file, or among the file's, from
+    where they are taken out; after `separator` (e.g. "--") every argument is the file's. An unknown
+    flag before the file, or one among the file's that looks like the launcher's (--jagg_*), is one
+    line naming the closest (exit 2)."""
+    before, rest = take_flags(parser, argv, stop_at_positional=True)
+    cut = rest.index(separator, 1) if separator is not None and separator in rest[1:] else len(rest)
+    mine, after = rest[1:cut], rest[cut + 1:]
+    known = {o for a in parser._actions for o in a.option_strings}
+    unknown = [a for a in rest[:1] + [a for a in mine if a.startswith("--jagg")]
+               if a.startswith("-") and a.split("=", 1)[0] not in known]
+    if unknown:
+        fail(unknown_flag(parser, unknown[0].split("=", 1)[0], what))
+    if not rest:
+        return before, None, []
+    tokens, theirs = take_flags(parser, mine)
+    return before + tokens, rest[0], theirs + after
+
+
 def _checked(cast, ok, what):
     """An argparse type: `cast` the text, then require ok(value), else 'must be <what>'."""
     def parse(text):

@@ -9,35 +9,9 @@ proxy's counts of that step, summed over the ranks. Where every row is placed, t
 and gradient are the restated update's (jagg_patch.update); rows the proxy cannot tell apart (one
 initial latent for a group) train exactly (docs/deferred.md).
 """
-import torch
 
-from .deferred import DeferredModel, FlushStats, wrap
-from .deferred.stats import LARGEST
-
-
-def over_ranks(record, device):
-    """The step's counts summed over the ranks (the largest for the replay difference, bound, time)."""
-    import torch.distributed as dist
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return record
-    names = sorted(record)
-    largest = [n for n in names if n.split("deferred_")[-1] in LARGEST]
-    summed = [n for n in names if n not in largest]
-    for group, op in ((summed, dist.ReduceOp.SUM), (largest, dist.ReduceOp.MAX)):
-        if group:
-            t = torch.tensor([float(record[n]) for n in group], dtype=torch.float64, device=device)
-            dist.all_reduce(t, op=op)
-            record.update({n: (int(v) if isinstance(record[n], int) else v) for n, v in zip(group, t.tolist())})
-    return record
-
-
-def step_record(stats, device):
-    """The fields a step's metrics record gets from its flushes: deferred_* counts, and the record's
-    own jagg_groups / exact_groups / transformer_forwards_reused as the deferred update ran them."""
-    total = FlushStats.total(stats)
-    record = {**total.as_dict(), "jagg_groups": total.jagg_groups, "exact_groups": total.exact_groups,
-              "transformer_forwards_reused": total.forwards_reused}
-    return over_ranks(record, device)
+from .deferred import DeferredModel, wrap
+from .deferred.stats import flush_record
 
 
 def install(ctx, config):
@@ -61,7 +35,7 @@ def deferred_train_one_step(original, config):
             install(ctx, config)
         before = len(ctx.transformer.stats)
         record = original(ctx)
-        record.update(step_record(ctx.transformer.stats[before:], ctx.device))
+        record.update(flush_record(ctx.transformer.stats[before:], ctx.device))
         return record
 
     train_one_step.__name__ = "train_one_step"

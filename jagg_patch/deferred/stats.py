@@ -1,6 +1,8 @@
 """What one flush did, counted in rows (one row = one sample's pass through the model at one step)."""
 from dataclasses import dataclass, field, fields
 
+import torch
+
 from .record import REASONS
 
 # Fields that are the largest over flushes (and ranks), not a sum.
@@ -58,3 +60,28 @@ class FlushStats:
                 else:
                     setattr(total, f.name, mine + value)
         return total
+
+
+def over_ranks(record, device):
+    """The step's counts summed over the ranks (the largest for the replay difference, bound, time)."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return record
+    names = sorted(record)
+    largest = [n for n in names if n.split("deferred_")[-1] in LARGEST]
+    summed = [n for n in names if n not in largest]
+    for group, op in ((summed, dist.ReduceOp.SUM), (largest, dist.ReduceOp.MAX)):
+        if group:
+            t = torch.tensor([float(record[n]) for n in group], dtype=torch.float64, device=device)
+            dist.all_reduce(t, op=op)
+            record.update({n: (int(v) if isinstance(record[n], int) else v) for n, v in zip(group, t.tolist())})
+    return record
+
+
+def flush_record(stats, device):
+    """The fields a metrics record gets from these flushes (a step's, or one flush's): deferred_* counts, and the record's
+    own jagg_groups / exact_groups / transformer_forwards_reused as the deferred update ran them."""
+    total = FlushStats.total(stats)
+    record = {**total.as_dict(), "jagg_groups": total.jagg_groups, "exact_groups": total.exact_groups,
+              "transformer_forwards_reused": total.forwards_reused}
+    return over_ranks(record, device)

@@ -15,7 +15,8 @@ from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.launch import launch_rank
 from dancegrpo.errors import say
 
-from ..cli import add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto
+from ..cli import (add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto,
+                   split_launcher_argv)
 from ..settings import resolve_backward
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
 from .loader import load_trainer, run_main_block
@@ -64,29 +65,11 @@ def split_argv(argv):
     neither a JAGG flag nor its value; JAGG flags stand before it, or among upstream's, from where
     they are taken out."""
     parser = jagg_parser()
-    before, rest = _take_jagg_flags(parser, argv, stop_at_positional=True)
-    known = {o for a in parser._actions for o in a.option_strings}
-    unknown = [a for a in rest[:1] + [a for a in rest[1:] if a.startswith("--jagg")]
-               if a.startswith("-") and a.split("=", 1)[0] not in known]
-    if unknown:
-        fail(unknown_flag(parser, unknown[0].split("=", 1)[0]))
-    if not rest or rest[0].startswith("-"):
-        fail(f"no trainer file given before {rest[0]!r} (e.g. fastvideo/train_grpo_flux.py); see --help" if rest else
-             "no trainer file given (e.g. fastvideo/train_grpo_flux.py); see --help")
-    kind = check_trainer_path(rest[0])
-    jagg_tokens, upstream_flags = _take_jagg_flags(parser, rest[1:])
-    return parser.parse_args(before + jagg_tokens), rest[0], upstream_flags, kind
-
-
-def unknown_flag(parser, flag):
-    """One line for a flag the adapter does not know where only its own flags may stand (before the
-    trainer file) or that looks like one of them (--jagg_*), naming the closest."""
-    import difflib
-    known = [o for a in parser._actions for o in a.option_strings]
-    close = difflib.get_close_matches(flag, known, n=1)
-    hint = f"did you mean {close[0]}? " if close else ""
-    where = "" if flag.startswith("--jagg") else " before the trainer file (upstream's flags go after it)"
-    return f"unknown flag {flag}{where}; {hint}see --help"
+    jagg_tokens, script, upstream_flags = split_launcher_argv(parser, argv, "the trainer file")
+    if script is None:
+        fail("no trainer file given (e.g. fastvideo/train_grpo_flux.py); see --help")
+    kind = check_trainer_path(script)
+    return parser.parse_args(jagg_tokens), script, upstream_flags, kind
 
 
 def trainer_in_folder(path):
@@ -112,25 +95,6 @@ def check_trainer_path(path):
         return file_kind(os.path.realpath(path))
     except UpstreamUnsupported as e:   # before the import, which would stop on the file's own dependencies
         fail(str(e))
-
-
-def _take_jagg_flags(parser, args, stop_at_positional=False):
-    """(--jagg_* flags with their values, the other arguments), in their order; stop_at_positional:
-    the other arguments start at the first one that is not a JAGG flag."""
-    takes_value = {a.option_strings[0]: a.nargs != 0 for a in parser._actions if a.option_strings}
-    jagg, others, i = [], [], 0
-    while i < len(args):
-        name = args[i].split("=", 1)[0]
-        if name in takes_value:
-            n = 2 if takes_value[name] and "=" not in args[i] else 1
-            jagg += args[i:i + n]
-            i += n
-        elif stop_at_positional:
-            return jagg, list(args[i:])
-        else:
-            others.append(args[i])
-            i += 1
-    return jagg, others
 
 
 def preflight(upstream_args, jagg, family, trainer=None, update="restated"):
@@ -299,8 +263,9 @@ def run_prepared(script, config, upstream_argv):
         run_main_block(module, upstream_argv)
         return 0
     from ..deferred.prepare import install_at_prepare
-    from .metrics_file import flush_lines
-    installed = install_at_prepare(config, on_flush=flush_lines(os.path.basename(script), config))
+    from ..deferred.stats import flush_record
+    from ..metrics_file import flush_lines
+    installed = install_at_prepare(config, on_flush=flush_lines(".", os.path.basename(script), config, flush_record))
     try:
         run_deferred_errors(lambda: run_main_block(module, upstream_argv))
     finally:

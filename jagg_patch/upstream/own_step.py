@@ -19,10 +19,10 @@ from dancegrpo.utils.communications import sum_over_ranks, world_size
 from dancegrpo.utils.metrics import PassCounter
 
 from ..deferred import wrap
-from ..trainer_deferred import step_record
+from ..deferred.stats import flush_record
 from .families import FAMILIES
 from .fingerprint import UpstreamUnsupported
-from .metrics_file import write_step_line
+from ..metrics_file import write_step_line
 
 MODEL_ARGUMENT, OPTIMIZER_ARGUMENT = "transformer", "optimizer"
 # The reward files' mean-reward line, by file, as this adapter's records name it.
@@ -115,7 +115,7 @@ def own_train_one_step(trainer, config, original, deferred):
         record = {"step": train_one_step.calls, "run_id": run_id, "family": trainer.family,
                   "release": trainer.release_text(), "update": update, **config.as_dict(),
                   **sum_over_ranks(counter.as_dict(), device), "world_size": world_size(),
-                  **(step_record(proxy.stats[before:], device) if proxy is not None else {}),
+                  **(flush_record(proxy.stats[before:], device) if proxy is not None else {}),
                   **_returned(result), **rewards.read(), "step_time_s": time.time() - started}
         train_one_step.last_stats = record
         write_step_line(run_args, record, train_one_step.calls, device)

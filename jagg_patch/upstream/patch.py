@@ -15,7 +15,7 @@ from ..deferred.proxy import check_config
 from ..update import make_policy_update, make_window_selection
 from .families import FAMILIES
 from .fingerprint import UpstreamUnsupported, check_upstream
-from .metrics_file import write_step_line
+from ..metrics_file import write_step_line
 from .own_step import own_train_one_step
 from .step import train_step
 

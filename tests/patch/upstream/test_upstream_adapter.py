@@ -536,7 +536,7 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     (["{tmp}/plain.py"], "has no function train_one_step"),
     (["{tmp}/raises.py"], "its top-level code raised ZeroDivisionError"),
     (["--jagg_window", "4"], "no trainer file given"),
-    (["--jagg_window", "4", "--use_group", "x.py"], "unknown flag --use_group before the trainer file (upstream's "
+    (["--jagg_window", "4", "--use_group", "x.py"], "unknown flag --use_group before the trainer file (its own "
                                                     "flags go after it)"),
     (["--jagg_windw", "4", "x.py"], "unknown flag --jagg_windw; did you mean --jagg_window?"),
     (["x.py", "--use_group", "--jagg_fraq", "1"], "unknown flag --jagg_fraq; did you mean --jagg_frac?"),

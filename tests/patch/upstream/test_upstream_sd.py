@@ -149,3 +149,24 @@ def test_the_launcher_runs_the_sd_trainer_deferred(tmp_path):
     (line,) = read_jsonl(tmp_path / "jagg_metrics.jsonl")   # one flush: GA 2 batches
     assert line["file"] == "train_grpo_sd.py" and line["deferred_jagg_groups"] > 0
     assert line["deferred_rows_deferred"] == 4 * BATCH * 2 * TRAINED // 2 and (tmp_path / "reward.txt").is_file()
+
+
+def test_the_generic_launcher_runs_the_sd_trainer_as_the_prepare_hook_does(tmp_path, monkeypatch):
+    """`python -m jagg_patch.deferred SCRIPT [--jagg_* flags] -- [its flags]` (in this process): the script as
+    __main__, its absl flags untouched, the proxy at accelerate's prepare: every optimizer step's gradient is
+    the one install_at_prepare gives in run_sd (== the independent reference, above), one jagg_metrics line
+    per flush in --jagg_metrics_dir."""
+    flags = ["--config.train.gradient_accumulation_steps=1"]
+    expected, _ = run_sd(flags, JaggConfig(window=3, jagg_frac=1.0))
+    fresh_absl_flags()
+    monkeypatch.syspath_prepend(STANDIN)   # the stand-in checkout's fastvideo package, as an installed one
+    from jagg_patch.deferred.__main__ import main
+    with at_prepare() as grads:
+        with pytest.raises(SystemExit) as done:   # absl's app.run exits when main returns
+            main([SD, "--jagg_window", "3", "--jagg_metrics_dir", str(tmp_path / "m"), "--jagg_frac", "1", "--",
+                  "--config", CONFIG, "--config.train.learning_rate=0.0", *flags])
+    assert done.value.code in (None, 0)
+    assert len(grads) == len(expected) == 2 and max(relative_error(a, b) for a, b in zip(grads, expected)) < 1e-12
+    lines = read_jsonl(tmp_path / "m" / "jagg_metrics.jsonl")
+    assert [line["flush"] for line in lines] == [1, 2] and {line["window"] for line in lines} == {3}
+    assert all(line["file"] == "train_grpo_sd.py" and line["deferred_jagg_groups"] > 0 for line in lines)

@@ -1,5 +1,6 @@
-"""<output_dir>/jagg_metrics.jsonl: the adapter's one line per step (the restated step's, and the
-file's own step's when it runs as it is), written on rank 0; a full disk stops every rank alike."""
+"""jagg_metrics.jsonl: the upstream adapter's one line per step in <output_dir> (the restated step's,
+and the file's own step's when it runs as it is), or one line per flush of the deferred proxy where a
+script's loop is inline in its main(); written on rank 0; a full disk stops every rank alike."""
 import json
 import os
 
@@ -47,17 +48,16 @@ def write_step_line(args, record, step, device):
     _stop_if_disk_full(_write_metrics_line(output_dir, record, first=step == 1), output_dir, step, device)
 
 
-def flush_lines(file_name, config):
-    """A proxy's on_flush callback for a trainer without train_one_step (its loop inline in main()):
-    each flush's counts, summed over the ranks, as one line of ./jagg_metrics.jsonl in the working
-    folder (where upstream writes its ./reward.txt), on rank 0."""
+def flush_lines(folder, file_name, config, record_of):
+    """A proxy's on_flush callback for a script whose update loop is inline in its main() (no
+    train_one_step to wrap): each flush's counts, `record_of(stats, device)` (summed over the ranks:
+    jagg_patch.deferred.stats.flush_record), as one line of `folder`/jagg_metrics.jsonl, on rank 0."""
     import uuid
-    from ..trainer_deferred import step_record
     run_id, count = uuid.uuid4().hex[:12], [0]
 
     def write(proxy, stats):
         count[0] += 1
         record = {"flush": count[0], "run_id": run_id, "file": file_name, "update": "deferred", **config.as_dict(),
-                  **step_record([stats], proxy.device)}
-        _stop_if_disk_full(_write_metrics_line(".", record, first=count[0] == 1), ".", count[0], proxy.device)
+                  **record_of([stats], proxy.device)}
+        _stop_if_disk_full(_write_metrics_line(folder, record, first=count[0] == 1), folder, count[0], proxy.device)
     return write

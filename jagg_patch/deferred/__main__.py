@@ -1,0 +1,114 @@
+"""python -m jagg_patch.deferred [--jagg_* flags] SCRIPT [--jagg_* flags] [-- the script's own flags]
+
+Runs a training script, unedited, as `__main__` with JAGG's deferred backward: the proxy is installed
+where the script prepares its model and optimizer (accelerate's Accelerator.prepare), so the update's
+calls through the prepared model and the rollout's through the model inside (pipeline.transformer)
+reach one record. The script's own flags reach it untouched (sys.argv = [SCRIPT, its flags]): absl and
+ml_collections parse them as the script does. Works the same under torchrun and `accelerate launch -m
+jagg_patch.deferred`. A script that prepares its model otherwise can call jagg_patch.deferred.wrap
+itself (docs/deferred.md).
+"""
+import os
+import sys
+
+USAGE = """usage: python -m jagg_patch.deferred [--jagg_* flags] SCRIPT [--jagg_* flags] [-- SCRIPT's own flags]
+       torchrun --nproc_per_node=N -m jagg_patch.deferred SCRIPT ...
+       accelerate launch -m jagg_patch.deferred SCRIPT ...
+
+Run a GRPO training script, unedited, with JAGG's deferred backward: the model its
+accelerator.prepare returns is a proxy that defers each update call's backward, folds the
+upstream gradients of W consecutive trained steps and replays the two endpoints before the
+script clips or steps (docs/deferred.md). After `--` every argument is the script's. JAGG flags
+(defaults in parentheses; --jagg_backward and the monitor are not used here):
+JAGG_FLAGS
+--jagg_mode exact runs the script as it is. Each flush's counts go to jagg_metrics.jsonl in
+--jagg_metrics_dir (the working folder by default), one line per flush.
+"""
+
+def launcher_parser():
+    from dancegrpo.utils.command_line import CommandParser
+    from ..cli import add_jagg_args
+    parser = add_jagg_args(CommandParser(prog="python -m jagg_patch.deferred", add_help=False))
+    parser.add_argument("--jagg_metrics_dir", default=".", metavar="DIR",
+                        help="Where jagg_metrics.jsonl (one line per flush) is written.")
+    return parser
+
+
+def usage():
+    from ..cli import flags_text
+    return USAGE.replace("JAGG_FLAGS", flags_text(launcher_parser()))
+
+
+def refuse_what_is_not_served(jagg):
+    """One line, exit 2, for a flag value the deferred proxy cannot run."""
+    from ..cli import fail
+    if jagg.jagg_grouping != "trained":
+        fail("jagg_patch.deferred groups the transitions the script's own update trains: use --jagg_grouping trained")
+    if jagg.jagg_frac == "auto" or jagg.jagg_monitor_every:
+        fail("jagg_patch.deferred has no fidelity monitor: give a fixed --jagg_frac and no --jagg_monitor_every")
+
+
+def check_script(path):
+    """The script is a Python file that exists: one line, exit 2, otherwise."""
+    from ..cli import fail
+    if path is None:
+        fail("no script given (e.g. scripts/train_sd3.py); see --help")
+    if os.path.isdir(path):
+        fail(f"{path!r} is a folder; give the training script in it")
+    if not os.path.isfile(path):
+        fail(f"script {path!r} does not exist")
+    if not path.endswith(".py"):
+        fail(f"{path!r} is not a Python file; give the training script (a .py file)")
+
+
+def run_script(path, argv):
+    """The script as `__main__`, as `python SCRIPT argv...` runs it: its folder first on sys.path."""
+    import runpy
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [path, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if argv else 2
+    from ..cli import jagg_config, split_launcher_argv
+    parser = launcher_parser()
+    tokens, script, script_argv = split_launcher_argv(parser, argv, "the script", separator="--")
+    jagg = parser.parse_args(tokens)
+    check_script(script)
+    refuse_what_is_not_served(jagg)
+    config = jagg_config(jagg)
+    if config.mode == "exact":
+        run_script(script, script_argv)
+        return 0
+    from ..metrics_file import flush_lines   # torch and accelerate: once the command line is answered
+    from .errors import DeferredError
+    from .prepare import install_at_prepare
+    from .stats import flush_record
+    installed = install_at_prepare(config, on_flush=flush_lines(jagg.jagg_metrics_dir, os.path.basename(script),
+                                                                config, flush_record))
+    try:
+        run_script(script, script_argv)
+    except DeferredError as e:
+        from dancegrpo.errors import say
+        say(f"error: {e}")
+        return 1
+    finally:
+        installed.remove()
+        if not installed.proxies:
+            from dancegrpo.utils.launch import print_on_rank0
+            print_on_rank0("notice: the script prepared no model with trainable parameters through accelerate's "
+                           "Accelerator.prepare: JAGG did nothing (see docs/deferred.md for a script that prepares "
+                           "otherwise)", sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
