@@ -4,9 +4,10 @@ Runs a training script, unedited, as `__main__` with JAGG's deferred backward: t
 where the script prepares its model and optimizer (accelerate's Accelerator.prepare), so the update's
 calls through the prepared model and the rollout's through the model inside (pipeline.transformer)
 reach one record. The script's own flags reach it untouched (sys.argv = [SCRIPT, its flags]): absl and
-ml_collections parse them as the script does. Works the same under torchrun and `accelerate launch -m
-jagg_patch.deferred`. A script that prepares its model otherwise can call jagg_patch.deferred.wrap
-itself (docs/deferred.md).
+ml_collections parse them as the script does. Under torchrun or `accelerate launch -m
+jagg_patch.deferred` each rank runs it so (tested here: one process; the proxy's DDP and FSDP engines
+are tested on their own, docs/deferred.md). A script that prepares its model otherwise can call
+jagg_patch.deferred.wrap itself.
 """
 import os
 import sys
