@@ -5,7 +5,9 @@ its trained model and its optimizer to `accelerator.prepare` and uses what comes
 prepare returns, in place of each model it prepared that has trainable parameters, a proxy of it
 (jagg_patch.deferred.wrap), attached to the optimizers prepared for its parameters (in the same call or
 another, before or after). The rollout may call the model inside (pipeline.unet, pipeline.transformer):
-the proxy's forward hook sees those calls. accelerate is imported when this is installed, not before.
+the proxy's forward hook sees those calls. While installed, `accelerator.unwrap_model(proxy)` unwraps the
+model the proxy holds (a script saves through it: `unwrap_model(transformer).save_pretrained(...)`).
+accelerate is imported when this is installed, not before.
 """
 import functools
 from dataclasses import dataclass, field
@@ -58,7 +60,7 @@ def install_at_prepare(config, on_flush=None, **options):
     """Patch accelerate.Accelerator.prepare (see the module); `options` go to wrap, `on_flush` (a
     callback fn(proxy, stats)) to each proxy's on_flush. Returns an Installed."""
     from accelerate import Accelerator
-    original = Accelerator.prepare
+    original, original_unwrap = Accelerator.prepare, Accelerator.unwrap_model
     installed = Installed()
 
     @functools.wraps(original)
@@ -79,11 +81,17 @@ def install_at_prepare(config, on_flush=None, **options):
         installed._pair()
         return items[0] if single else tuple(items)
 
+    @functools.wraps(original_unwrap)
+    def unwrap_model(self, model, *args, **kwargs):
+        # accelerate unwraps what it knows (DDP, compile); the proxy is none of those and would come back
+        inner = model.wrapped if any(model is proxy for proxy in installed.proxies) else model
+        return original_unwrap(self, inner, *args, **kwargs)
+
     def undo():
-        Accelerator.prepare = original
+        Accelerator.prepare, Accelerator.unwrap_model = original, original_unwrap
         for proxy in installed.proxies:
             proxy.close()
 
-    Accelerator.prepare = prepare
+    Accelerator.prepare, Accelerator.unwrap_model = prepare, unwrap_model
     installed.undo = undo
     return installed

@@ -222,5 +222,8 @@ def test_install_at_prepare_wraps_the_model_and_attaches_its_optimizer_once():
         assert isinstance(proxy, deferred.DeferredModel) and proxy.wrapped is model
         assert not isinstance(prepared_scheduler, deferred.DeferredModel) and installed.proxies == [proxy]
         assert len(proxy._optimizers) == 1 and proxy._optimizers[0].optimizer is optimizer
+        # a script saves through accelerate's unwrap: it gets the model, not the proxy (which it got before)
+        assert Accelerator(cpu=True).unwrap_model(proxy) is model
     finally:
         installed.remove()
+    assert Accelerator.unwrap_model(Accelerator(cpu=True), model) is model   # put back
