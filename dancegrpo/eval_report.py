@@ -5,9 +5,8 @@ import hashlib
 import json
 import os
 
-from .errors import ConfigError
+from .errors import ConfigError, say
 from .utils.atomic import write_text
-from .errors import say
 
 
 # What makes two rows comparable: a row whose images were drawn otherwise differs by its settings alone.
@@ -25,6 +24,12 @@ def eval_settings(args, captions, precision):
             "num_images_per_prompt": args.num_images_per_prompt, "prompts": f"{len(captions)} (sha256 {digest})"}
 
 
+def row_settings(row):
+    """The sampling settings a row of comparison.json was made with (None: a row of an earlier version,
+    which recorded no prompt set)."""
+    return {k: row.get(k) for k in SETTING_NAMES} if "prompts" in row else None
+
+
 def differing_settings(theirs, ours):
     """'name: theirs -> ours' for each setting that differs."""
     return [f"{k} {theirs.get(k)!r} -> {ours[k]!r}" for k in SETTING_NAMES if theirs.get(k) != ours[k]]
@@ -38,7 +43,7 @@ def table_header(metric_names):
 def nonfinite_summary(label, path, names, reason, settings):
     """The row of a checkpoint that cannot be scored: flagged, with no metric to rank."""
     return {"label": label, "checkpoint": os.path.abspath(path), "num_images": 0, "nonfinite": reason,
-            "metrics": {n: {"mean": None, "std": None, "sem": None} for n in names}, "settings": settings}
+            "metrics": {n: {"mean": None, "std": None, "sem": None} for n in names}, **settings}
 
 
 def table_row(summary):
@@ -60,7 +65,7 @@ def earlier_summaries(output_dir, names, settings):
         with open(path) as f:
             earlier = json.load(f)
         theirs = list(earlier[0]["metrics"]) if earlier else names
-        their_settings = [s.get("settings") for s in earlier]
+        their_settings = [row_settings(row) for row in earlier]
     except (OSError, ValueError, KeyError, IndexError, TypeError) as e:
         raise ConfigError(f"{path!r} cannot be read ({e}); it is an earlier evaluation's: move it away or choose "
                           "another --output_dir") from None
@@ -68,7 +73,7 @@ def earlier_summaries(output_dir, names, settings):
         raise ConfigError(f"--output_dir {output_dir!r} holds an evaluation of the metrics {theirs}, this one scores "
                           f"{names}: the table would mix columns; choose another --output_dir")
     for row, theirs in zip(earlier, their_settings):
-        if not isinstance(theirs, dict):
+        if theirs is None:
             raise ConfigError(f"--output_dir {output_dir!r} holds a row ({row.get('label')}) that records no sampling "
                               "settings (an earlier version's): its images may have been drawn otherwise; choose "
                               "another --output_dir")
@@ -97,5 +102,5 @@ def settings_line(settings):
 def write_comparison(output_dir, names, summaries):
     write_text(os.path.join(output_dir, "table.md"),
                table_header(names) + "\n" + "\n".join(table_row(s) for s in summaries) + "\n\n"
-               + settings_line(summaries[-1]["settings"]) + "\n")
+               + settings_line(row_settings(summaries[-1])) + "\n")
     write_text(os.path.join(output_dir, "comparison.json"), json.dumps(summaries, indent=1))

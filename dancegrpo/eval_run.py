@@ -10,7 +10,7 @@ import torch
 
 from .algo.sampling import denoise, ode, sde_per_sample
 from .algo.sde import model_timesteps, sigma_schedule
-from .errors import NonFiniteError
+from .errors import NonFiniteError, say
 from .eval_report import (earlier_summaries, eval_settings, merged_summaries, nonfinite_summary,
                           settings_line, table_header, table_row, write_comparison)
 from .eval_inputs import EvalError, preset_mismatch, read_prompt_file, safe_name
@@ -22,7 +22,6 @@ from .run.rundir import RunLock
 from .utils.atomic import write_atomically, write_text
 from .utils.precision import compute_autocast, describe_precision
 from .samples import tile
-from .errors import say
 
 
 def select_prompts(args, dataset):
@@ -105,14 +104,10 @@ def evaluate_checkpoint(args, family, transformer, vae, dataset, prompt_ids, met
         std = vals.std().item() if vals.numel() > 1 else 0.0
         metrics[n] = {"mean": vals.mean().item(), "std": std, "sem": std / math.sqrt(vals.numel())}
     summary = {
-        "label": label, "checkpoint": os.path.abspath(path), "family": args.family,
-        "num_prompts": len(prompt_ids), "num_images": len(rows), "metrics": metrics,
-        "sampler": "sde" if args.sde else "ode", "eta": args.eta if args.sde else None,
-        "sampling_steps": args.sampling_steps, "shift": args.shift, "h": args.h, "w": args.w,
-        "guidance": args.guidance, "seed": args.seed, "prompt_file": args.prompt_file,
+        "label": label, "checkpoint": os.path.abspath(path), "num_prompts": len(prompt_ids), "num_images": len(rows),
+        "metrics": metrics, **settings, "prompt_file": args.prompt_file,
         "data_json_path": os.path.abspath(args.data_json_path),
         "generate_time_s": t_gen, "score_time_s": t_score, "device": str(device),
-        "precision": settings["precision"], "settings": settings,
     }
     write_text(os.path.join(out_dir, "summary.json"), json.dumps(summary, indent=1))
     return summary

@@ -38,13 +38,12 @@ import os
 
 from . import presets
 from .choices import PRECISIONS
-from .errors import is_disk_full
+from .errors import is_disk_full, say
 from .eval_inputs import EvalError, parse_checkpoints
 from .models.registry import family_names
 from .rewards import RewardNotFiniteError, add_reward_args, parse_reward_spec
 from .run.readers import ReaderLock, run_folder_of
 from .utils.command_line import CommandParser
-from .errors import say
 
 DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream's Flux training geometry
 

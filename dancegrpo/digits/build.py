@@ -22,11 +22,10 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ..errors import is_disk_full
+from ..errors import is_disk_full, say
 from ..models.registry import family_names, family_part
 from . import data
 from ..utils.command_line import CommandParser
-from ..errors import say
 
 SIZE = 64
 

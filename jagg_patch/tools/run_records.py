@@ -4,8 +4,7 @@ file(s), and the JSON the tools write; bad input is a CompareError (one line, ex
 import json
 import os
 
-from dancegrpo.errors import ConfigError
-from dancegrpo.errors import say
+from dancegrpo.errors import ConfigError, say
 
 
 def warn(message):

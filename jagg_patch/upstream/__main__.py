@@ -11,9 +11,8 @@ import argparse
 import os
 import sys
 
-from dancegrpo.errors import exit_on_config_error
+from dancegrpo.errors import exit_on_config_error, say
 from dancegrpo.utils.launch import launch_rank
-from dancegrpo.errors import say
 
 from ..cli import (add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto,
                    split_launcher_argv)
