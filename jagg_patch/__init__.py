@@ -11,7 +11,7 @@ or launch a trainer with it: `python -m jagg_patch dancegrpo.train_grpo_flux --j
 Any other GRPO loop, unedited: `jagg_patch.deferred.wrap(model, config)` (that package imports
 nothing of dancegrpo, nor does this file: it loads in another codebase's environment).
 """
-import importlib
+from .lazy import lazy_exports
 
 # Loaded on first use (the group backward needs torch): `python -m jagg_patch ... --help` and the
 # tools' flag errors answer before torch loads.
@@ -24,13 +24,7 @@ _EXPORTS = {
     "check_seams": ".seams", "make_policy_update": ".update", "make_window_selection": ".update"
 }
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value   # resolved once
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = ["JaggConfig", "ALPHA_RULES", "BACKWARDS", "GROUPINGS", "MODES", "Group", "GroupResult", "describe_plan",

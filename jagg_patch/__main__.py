@@ -5,8 +5,8 @@ seam replaced by JAGG. Works the same under torchrun.
 """
 import sys
 
-from dancegrpo.utils.launch import print_on_rank0
 from dancegrpo.errors import say
+from dancegrpo.utils.launch import print_on_rank0
 
 from .cli import check_trajectory, jagg_config, jagg_plan_text, trainer_cli
 
@@ -38,7 +38,7 @@ def _usage():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch", _usage(), complete=True)
+    module, parser, rest = trainer_cli(argv, "jagg_patch", _usage())
     from dancegrpo.args import parse_args
     args = parse_args(parser, rest)
     check_trajectory(args)

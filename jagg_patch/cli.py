@@ -4,8 +4,8 @@ import argparse
 import importlib
 import sys
 
-from dancegrpo.utils.launch import launch_world_size, print_on_rank0
 from dancegrpo.errors import say
+from dancegrpo.utils.launch import launch_world_size, print_on_rank0
 
 from .config import AUTO_MONITOR_EVERY, DEFAULT_MIN_COS, MONITOR_SAMPLES, JaggConfig, monitor_flag_values
 from .settings import ALPHA_RULES, BACKWARD_CHOICES, GROUPINGS, MODES, REUSE_MODES, resolve_backward
@@ -33,11 +33,10 @@ def load_trainer(name, usage):
     return module
 
 
-def trainer_cli(argv, tool, usage, complete=False):
-    """`TRAINER_MODULE [flags]` -> (module, the trainer's parser + JAGG flags, the remaining argv),
-    the seams JAGG uses checked. complete: the parser takes no more flags, so --help and flag errors
-    are answered first, before the trainer's seams (and torch) load; a tool that adds flags of its
-    own answers them in its own parse.
+def trainer_parser(argv, tool, usage, add_flags=None, complete=False):
+    """`TRAINER_MODULE [flags]` -> (module, the trainer's parser + JAGG flags + the tool's `add_flags`),
+    torch-free. complete: the command line is parsed once here, so --help and a flag error are answered
+    before the trainer's seams (and torch) load; it is parsed again by the caller.
 
     Help or no argument prints `usage` (exit 0 for --help, 2 for nothing given)."""
     if not argv or argv[0] in ("-h", "--help"):
@@ -45,10 +44,19 @@ def trainer_cli(argv, tool, usage, complete=False):
         sys.exit(0 if argv else 2)
     module = load_trainer(argv[0], usage)
     parser = add_jagg_args(module.build_parser())
+    if add_flags is not None:
+        add_flags(parser)
     parser.prog = f"python -m {tool} {argv[0]}"
     if complete:
         from dancegrpo.args import join_negative_values
-        parser.parse_args(join_negative_values(argv[1:]))   # exits on --help or a flag error; parsed again
+        parser.parse_args(join_negative_values(argv[1:]))   # exits on --help or a flag error
+    return module, parser
+
+
+def trainer_cli(argv, tool, usage, add_flags=None):
+    """trainer_parser's (module, parser), the command line answered first, and the remaining argv;
+    the seams JAGG uses checked."""
+    module, parser = trainer_parser(argv, tool, usage, add_flags, complete=True)
     try:
         check_seams(module)
     except SeamError as e:
@@ -58,7 +66,7 @@ def trainer_cli(argv, tool, usage, complete=False):
 
 def take_flags(parser, args, stop_at_positional=False):
     """(the parser's flags with their values, the other arguments), in their order; stop_at_positional:
-    the other arguments start at the first one that is not a JAGG flag."""
+    the other arguments start at the first one that is not one of the parser's flags."""
     takes_value = {a.option_strings[0]: a.nargs != 0 for a in parser._actions if a.option_strings}
     jagg, others, i = [], [], 0
     while i < len(args):
@@ -76,8 +84,8 @@ def take_flags(parser, args, stop_at_positional=False):
 
 
 def unknown_flag(parser, flag, what="the file"):
-    """One line for a flag the adapter does not know where only its own flags may stand (before the
-    trainer file) or that looks like one of them (--jagg_*), naming the closest."""
+    """One line for a flag a launcher does not know where only its own flags may stand (before `what`,
+    the file it runs) or that looks like one of them (--jagg_*), naming the closest."""
     import difflib
     known = [o for a in parser._actions for o in a.option_strings]
     close = difflib.get_close_matches(flag, known, n=1)
@@ -259,19 +267,23 @@ def monitor_samples_for_batch(args):
         args.jagg_monitor_samples = per_rank
 
 
+def deferred_refusal(args):
+    """Why the deferred proxy cannot run with these flags (None: it can): the part of a one-line error."""
+    if getattr(args, "engine", None) == "deepspeed":
+        return ("does not drive DeepSpeed (its engine runs every backward itself): use --engine fsdp or fsdp2 (the "
+                "restated update runs on DeepSpeed)")
+    if args.jagg_grouping != "trained":
+        return "groups the transitions the loop's own update trains: use --jagg_grouping trained"
+    if args.jagg_frac == "auto" or args.jagg_monitor_every:
+        return "has no fidelity monitor: give a fixed --jagg_frac and no --jagg_monitor_every"
+    return None
+
+
 def check_deferred(args):
     """What --jagg_deferred cannot run with, in one line before anything loads."""
-    if not getattr(args, "jagg_deferred", False):
-        return
-    if getattr(args, "engine", None) == "deepspeed":
-        fail("--jagg_deferred does not drive DeepSpeed (its engine runs every backward itself): use --engine fsdp or "
-             "fsdp2, or leave out --jagg_deferred (the restated update runs on DeepSpeed)")
-    if args.jagg_grouping != "trained":
-        fail("--jagg_deferred groups the transitions the trainer's own update trains: use --jagg_grouping trained, or "
-             "leave out --jagg_deferred for the authors' windows")
-    if args.jagg_frac == "auto" or args.jagg_monitor_every:
-        fail("--jagg_deferred has no fidelity monitor: give a fixed --jagg_frac and no --jagg_monitor_every, or leave "
-             "out --jagg_deferred")
+    problem = deferred_refusal(args) if getattr(args, "jagg_deferred", False) else None
+    if problem:
+        fail(f"--jagg_deferred {problem}; or leave out --jagg_deferred")
 
 
 def check_trajectory(args, min_cos_used=None):

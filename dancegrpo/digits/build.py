@@ -24,8 +24,8 @@ import torch
 
 from ..errors import is_disk_full, say
 from ..models.registry import family_names, family_part
-from . import data
 from ..utils.command_line import CommandParser
+from . import data
 
 SIZE = 64
 

@@ -18,8 +18,8 @@ import hashlib
 import json
 import os
 
-from ..utils.command_line import CommandParser
 from ..errors import say
+from ..utils.command_line import CommandParser
 
 # torch and the collectives load in the functions that use them: --help and a flag error answer first.
 

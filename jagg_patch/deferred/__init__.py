@@ -11,19 +11,13 @@ This package imports torch and the method's own math (jagg_patch.core, .plan, .c
 of dancegrpo, diffusers or accelerate, so it loads in the environment another codebase already has.
 Its names load on first use, so that `python -m jagg_patch.deferred --help` answers before torch.
 """
-import importlib
+from ..lazy import lazy_exports
 
 _EXPORTS = {"ARGUMENT_ROLES": ".calls", "ArgumentRoles": ".calls", "DeferredError": ".errors",
             "DeferredModel": ".proxy", "wrap": ".proxy", "FlushStats": ".stats", "IDENTICAL": ".record",
             "MODE_EXACT": ".record", "NO_RECORD": ".record", "ROUTED_EXACT": ".record", "TRAINED_TWICE": ".record"}
 
-
-def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    globals()[name] = value   # resolved once
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 
 
 __all__ = ["wrap", "DeferredModel", "DeferredError", "FlushStats", "ARGUMENT_ROLES", "ArgumentRoles", "NO_RECORD",

@@ -40,15 +40,6 @@ def usage():
     return USAGE.replace("JAGG_FLAGS", flags_text(launcher_parser()))
 
 
-def refuse_what_is_not_served(jagg):
-    """One line, exit 2, for a flag value the deferred proxy cannot run."""
-    from ..cli import fail
-    if jagg.jagg_grouping != "trained":
-        fail("jagg_patch.deferred groups the transitions the script's own update trains: use --jagg_grouping trained")
-    if jagg.jagg_frac == "auto" or jagg.jagg_monitor_every:
-        fail("jagg_patch.deferred has no fidelity monitor: give a fixed --jagg_frac and no --jagg_monitor_every")
-
-
 def check_script(path):
     """The script is a Python file that exists: one line, exit 2, otherwise."""
     from ..cli import fail
@@ -79,12 +70,14 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
-    from ..cli import jagg_config, split_launcher_argv
+    from ..cli import deferred_refusal, fail, jagg_config, split_launcher_argv
     parser = launcher_parser()
     tokens, script, script_argv = split_launcher_argv(parser, argv, "the script", separator="--")
     jagg = parser.parse_args(tokens)
     check_script(script)
-    refuse_what_is_not_served(jagg)
+    problem = deferred_refusal(jagg)
+    if problem:
+        fail(f"jagg_patch.deferred {problem}")
     config = jagg_config(jagg)
     if config.mode == "exact":
         run_script(script, script_argv)

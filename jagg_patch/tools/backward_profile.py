@@ -102,13 +102,16 @@ def format_report(r, top=12):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.backward_profile", __doc__)
-    from dancegrpo.args import parse_args
-    from dancegrpo.errors import exit_on_config_error
+def add_profile_args(parser):
     parser.add_argument("--prof_reps", type=int, default=5)
     parser.add_argument("--prof_top", type=int, default=12)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.backward_profile", __doc__, add_profile_args)
+    from dancegrpo.args import parse_args
+    from dancegrpo.errors import exit_on_config_error
     args = parse_args(parser, rest)
     check_trajectory(args)
     result = exit_on_config_error(measure)(module, args)

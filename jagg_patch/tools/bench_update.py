@@ -279,10 +279,9 @@ def _auto_summary(routing, times, monitor_times, rollout_s, vanilla_s, every, pe
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.bench_update", __doc__)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.bench_update", __doc__, add_bench_args)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
-    add_bench_args(parser)
     args = parse_args(parser, rest)
     if args.jagg_frac == "auto":
         raise SystemExit("error: jagg_patch.tools.bench_update times the modes at a fixed --jagg_frac; time "

@@ -54,11 +54,11 @@ from dancegrpo.utils.plots import moving_average
 
 from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
+from dancegrpo.utils.command_line import CommandParser
 
 from .compare_plots import fidelity_curves, write_plots
 from .reports import json_text, output_errors
 from .run_records import CompareError, load_metrics, warn
-from dancegrpo.utils.command_line import CommandParser
 
 COUNT_FIELDS = ("transformer_forwards_grad", "transformer_forwards_nograd", "transformer_backwards")
 # A NaN in any of these means the run diverged (a NaN ratio: its log-probs were NaN).

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from ..cli import check_trajectory, trainer_cli  # noqa: E402
 from ..similarity import gradient_similarity  # noqa: E402
 from ..update import group_backward, groups_of  # noqa: E402
-from .tool_args import add_diag_args  # noqa: E402,F401  (part of this module's API: the tools add its flags)
+from .tool_args import add_diag_args  # noqa: E402
 
 # (row key, mode, alpha rule) of each approximation compared with the exact group gradient.
 VARIANTS = (("jagg", "jagg", "timestep"), ("jagg_index", "jagg", "index"), ("endpoints", "endpoints", "timestep"))
@@ -157,9 +157,8 @@ def measure_rollout(ctx, args, step):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.diagnostics", __doc__)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.diagnostics", __doc__, add_diag_args)
     from dancegrpo.args import parse_args
-    add_diag_args(parser)
     args = parse_args(parser, rest)
     check_trajectory(args)
     rows = run_diagnostics(module, args)

@@ -103,10 +103,9 @@ def write_outputs(out_dir, result, markdown):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.fidelity", __doc__)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.fidelity", __doc__, add_fidelity_args)
     from dancegrpo.args import parse_args
     from dancegrpo.errors import exit_on_config_error
-    add_fidelity_args(parser)
     args = parse_args(parser, rest)
     check_trajectory(args)
     if args.fid_rollouts < 1:

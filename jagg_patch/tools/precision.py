@@ -242,11 +242,7 @@ def format_report(r):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.precision", __doc__)
-    from dancegrpo.args import parse_args
-    from dancegrpo.errors import exit_on_config_error
+def add_precision_args(parser):
     g = parser.add_argument_group("precision")
     g.add_argument("--prec_parts", default=",".join(PARTS), help=f"Comma list of {PARTS}.")
     g.add_argument("--prec_update_precision", choices=("same", "no", "bf16"), default="same",
@@ -254,6 +250,13 @@ def main(argv=None):
     g.add_argument("--prec_samples", type=int, default=32, help="Samples of the gradient part.")
     g.add_argument("--prec_json", default=None, help="Write the numbers here (JSON).")
     g.add_argument("--prec_md", default=None, help="Write the report here (markdown).")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.precision", __doc__, add_precision_args)
+    from dancegrpo.args import parse_args
+    from dancegrpo.errors import exit_on_config_error
     args = parse_args(parser, rest)
     check_trajectory(args)
     parts = [p.strip() for p in args.prec_parts.split(",") if p.strip()]

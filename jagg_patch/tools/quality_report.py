@@ -21,13 +21,13 @@ import statistics
 
 from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
+from dancegrpo.utils.command_line import CommandParser
 from dancegrpo.utils.plots import plot_mean_spread
 
-from .compare import summarize
-from .run_records import CompareError, load_metrics, read_json
 from ..spread import spread
+from .compare import summarize
 from .reports import json_text, output_errors
-from dancegrpo.utils.command_line import CommandParser
+from .run_records import CompareError, load_metrics, read_json
 
 LABEL = re.compile(r"^(?P<variant>.+)@(?P<step>\d+)$")
 

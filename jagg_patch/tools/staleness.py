@@ -73,13 +73,16 @@ def format_report(r):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.staleness", __doc__)
-    from dancegrpo.args import parse_args
-    from dancegrpo.errors import exit_on_config_error
+def add_staleness_args(parser):
     parser.add_argument("--stale_steps", type=int, default=4, help="Optimizer steps after the rollout.")
     parser.add_argument("--stale_json", default=None, help="Write the numbers here (JSON).")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    module, parser, rest = trainer_cli(argv, "jagg_patch.tools.staleness", __doc__, add_staleness_args)
+    from dancegrpo.args import parse_args
+    from dancegrpo.errors import exit_on_config_error
     args = parse_args(parser, rest)
     check_trajectory(args)
     result = exit_on_config_error(measure)(module, args)

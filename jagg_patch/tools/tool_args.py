@@ -47,13 +47,5 @@ def add_bench_args(parser):
 def answer_first(tool, usage, add_flags, argv=None):
     """The tool's whole command line parsed once, torch-free: --help, no trainer module and a flag error
     end here (exit 0 / 2); otherwise nothing happens and the tool's main parses it again."""
-    from dancegrpo.args import join_negative_values
-    from ..cli import add_jagg_args, load_trainer
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage)
-        sys.exit(0 if argv else 2)
-    parser = add_jagg_args(load_trainer(argv[0], usage).build_parser())
-    parser.prog = f"python -m {tool} {argv[0]}"
-    add_flags(parser)
-    parser.parse_args(join_negative_values(argv[1:]))
+    from ..cli import trainer_parser
+    trainer_parser(sys.argv[1:] if argv is None else list(argv), tool, usage, add_flags, complete=True)

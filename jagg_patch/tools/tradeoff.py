@@ -31,10 +31,10 @@ from dancegrpo.utils.plots import save_figure
 
 from dancegrpo.errors import exit_on_config_error
 from dancegrpo.utils.atomic import write_text
+from dancegrpo.utils.command_line import CommandParser
 
 from .run_records import CompareError, load_metrics, read_json
 from .reports import json_text, output_errors
-from dancegrpo.utils.command_line import CommandParser
 
 WINDOW = re.compile(r"(?:^|_)w(\d+)(?:_|$)")
 

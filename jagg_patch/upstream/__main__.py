@@ -12,6 +12,7 @@ import os
 import sys
 
 from dancegrpo.errors import exit_on_config_error, say
+from dancegrpo.utils.command_line import CommandParser
 from dancegrpo.utils.launch import launch_rank
 
 from ..cli import (add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto,
@@ -19,7 +20,6 @@ from ..cli import (add_jagg_args, check_trajectory, fail, flags_text, jagg_confi
 from ..settings import resolve_backward
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
 from .loader import load_trainer, run_main_block
-from dancegrpo.utils.command_line import CommandParser
 
 USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
        torchrun --nproc_per_node=N -m jagg_patch.upstream [--jagg_* flags] fastvideo/train_grpo_flux.py ...
