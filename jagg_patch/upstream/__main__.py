@@ -49,8 +49,7 @@ def usage():
 
 
 def jagg_parser():
-    parser = add_jagg_args(CommandParser(prog="python -m jagg_patch.upstream", usage=argparse.SUPPRESS,
-                                                   add_help=False))
+    parser = add_jagg_args(CommandParser(prog="python -m jagg_patch.upstream", usage=argparse.SUPPRESS, add_help=False))
     parser.add_argument("--jagg_allow_upstream_changes", action="store_true",
                         help="Warn instead of stopping when upstream's functions differ from what the adapter "
                              "relies on (jagg_patch.seams.UPSTREAM_SEAMS).")
