@@ -50,7 +50,7 @@ DEFAULTS = dict(h=720, w=720, sampling_steps=16, shift=3.0, eta=0.3)  # upstream
 
 def build_parser():
     p = CommandParser(prog="python -m dancegrpo.evaluate", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--family", choices=family_names(), default="flux")
     p.add_argument("--preset", default=None, help="Embedded model + prompt data (e.g. 'tiny'); sets defaults.")
     p.add_argument("--cache_dir", default="./cache_dir", help="Where presets are built.")

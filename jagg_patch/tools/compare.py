@@ -37,8 +37,8 @@ Bad input (missing folder, no or empty metrics.jsonl, a malformed line before th
 an error and exits with status 2. Printed as warnings, the numbers still shown: a torn last line
 (a run killed mid-write; read as missing), NaN/inf in a run's reward, loss, grad norm or PPO ratio
 statistics (the run is marked NON-FINITE and its reward is not ranked), runs of different lengths,
-models, presets, rank counts or precisions, a run resumed with --allow_config_change (its steps
-of two configurations: the records' config_id), and fewer than MIN_TIMED_STEPS timed steps (too
+models, presets, rank counts or precisions, a run resumed with --allow_config_change (its
+configuration changed at a step: the records' config_id), and fewer than MIN_TIMED_STEPS timed steps (too
 few for a timing claim). comparison.json is strict JSON: a number a run could not give is null.
 """
 import argparse
@@ -160,8 +160,8 @@ SETUP_WORDS = {"family": "models", "preset": "presets", "world_size": "rank coun
 
 
 def warn_mixed_configurations(label, records):
-    """A run resumed with --allow_config_change holds steps of two configurations (the trainer's records
-    carry config_id, a digest of the flags that change a run): its curve and medians mix them."""
+    """A run resumed with --allow_config_change holds steps of several configurations (the trainer's
+    records carry config_id, a digest of the flags that change a run): its curve and medians mix them."""
     starts, last = [], None
     for r in records:
         cid = r.get("config_id")
@@ -169,9 +169,8 @@ def warn_mixed_configurations(label, records):
             starts.append(r["step"])
             last = cid
     if len(starts) > 1:
-        warn(f"run {label!r} was trained with {len(starts)} configurations (from steps {starts}; resumed with "
-             "--allow_config_change): its curve and medians mix them; each checkpoint's run_config.json says "
-             "which flags it ran with")
+        warn(f"run {label!r} changed its configuration at step(s) {starts[1:]} (resumed with --allow_config_change): "
+             "its curve and medians mix them; each checkpoint's run_config.json says which flags it ran with")
 
 
 def warn_across_setups(rows):
@@ -284,7 +283,7 @@ def _csv_text(header, rows):
 
 def build_parser():
     p = CommandParser(prog="python -m jagg_patch.tools.compare", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="Trainer output folders; the first is the reference.")
     p.add_argument("--labels", default=None, help="Comma list of names, one per run (default: folder names).")
     p.add_argument("--out", default=None, help="Write comparison.{json,csv,md}, rewards.csv and the PNG plots here.")

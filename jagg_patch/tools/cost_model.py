@@ -161,9 +161,8 @@ def format_table(rows, settings=SETTINGS):
 
 def main(argv=None):
     """The table takes no argument: any given (a typo, a flag of another tool) is an error, not ignored."""
-    parser = CommandParser(prog="python -m jagg_patch.tools.cost_model",
-                                     description=__doc__.split("\n\n")[0],
-                                     epilog="It takes no arguments; the model's settings are the paper's.")
+    parser = CommandParser(prog="python -m jagg_patch.tools.cost_model", description=__doc__.split("\n\n")[0],
+                           epilog="It takes no arguments; the model's settings are the paper's.")
     parser.parse_args(argv)
     print(__doc__.split("\n\n", 2)[2].strip())
     print()

@@ -153,7 +153,7 @@ def report(root, metric="digit_heldout", ma_window=5, out=None, title=None, vari
 
 def main(argv=None):
     p = CommandParser(prog="python -m jagg_patch.tools.quality_report", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("root", metavar="ROOT", help="Folder of seed<S>/ folders.")
     p.add_argument("--metric", default="digit_heldout", help="Evaluated metric of the table and the right panel.")
     p.add_argument("--ma_window", type=int, default=5, help="Moving average of the training reward (steps).")

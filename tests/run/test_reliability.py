@@ -323,7 +323,7 @@ def test_resume_with_changed_flags_lists_them(make_args, tmp_path, capsys):
     # compare reads the folder as one run of two configurations, and says so
     from jagg_patch.tools.compare import compare
     compare([str(out)])
-    assert "run 'out' was trained with 2 configurations (from steps [1, 2]" in capsys.readouterr().err
+    assert "run 'out' changed its configuration at step(s) [2] (resumed with" in capsys.readouterr().err
 
 
 def test_latest_skips_weights_only_and_corrupt_checkpoints(make_args, tmp_path, capsys):
