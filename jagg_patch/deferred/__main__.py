@@ -5,9 +5,9 @@ where the script prepares its model and optimizer (accelerate's Accelerator.prep
 calls through the prepared model and the rollout's through the model inside (pipeline.transformer)
 reach one record. The script's own flags reach it untouched (sys.argv = [SCRIPT, its flags]): absl and
 ml_collections parse them as the script does. Under torchrun or `accelerate launch -m
-jagg_patch.deferred` each rank runs it so (tested here: one process; the proxy's DDP and FSDP engines
-are tested on their own, docs/deferred.md). A script that prepares its model otherwise can call
-jagg_patch.deferred.wrap itself.
+jagg_patch.deferred` each rank runs it so (tested on the Flow-GRPO stand-in: one process and two DDP
+ranks, both launch lines). A script that prepares its model otherwise can call jagg_patch.deferred.wrap
+itself.
 """
 import os
 import sys
