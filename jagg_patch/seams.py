@@ -54,7 +54,7 @@ DANCEGRPO_USES = (
     ("dancegrpo.errors", "RunHalted", None),
     ("dancegrpo.errors", "is_disk_full", ("error",)),
     ("dancegrpo.errors", "exit_on_config_error", ("fn",)),
-    ("dancegrpo.run.rundir", "check_writable", ("output_dir",)),
+    ("dancegrpo.run.rundir", "check_writable", ("output_dir", "flag")),
     ("dancegrpo.utils.command_line", "CommandParser", None),
     ("dancegrpo.engines.probe", "GradProbe", ("params",)),
     ("dancegrpo.engines.base", "Engine", None),

@@ -106,8 +106,8 @@ def stopping_after(epochs):
             os.environ["FLOWGRPO_STANDIN_EPOCHS"] = saved
 
 
-def script_flags(flags, save_dir):
-    return ["--config", CONFIG, *FIXED, f"--config.save_dir={save_dir}", *map(str, flags)]
+def script_flags(flags, save_dir, config=CONFIG):
+    return ["--config", config, *FIXED, f"--config.save_dir={save_dir}", *map(str, flags)]
 
 
 def exits_cleanly(run):
@@ -120,7 +120,7 @@ def exits_cleanly(run):
     raise AssertionError("the stand-in returned without its stop")
 
 
-def run_plain(flags, save_dir, replace=None, record=None):
+def run_plain(flags, save_dir, replace=None, record=None, config=CONFIG):
     """The stand-in as it is: (its gradients at each optimizer step, the prepared models, their grad-mode
     forwards). `record`, a list,
     gets every grad-mode compute_log_prob's (sample, j, embeds, pooled_embeds)."""
@@ -137,7 +137,7 @@ def run_plain(flags, save_dir, replace=None, record=None):
         namespace["compute_log_prob"] = compute_log_prob
     from absl import app
     saved = sys.argv
-    sys.argv = [SCRIPT, *script_flags(flags, save_dir)]
+    sys.argv = [SCRIPT, *script_flags(flags, save_dir, config)]
     try:
         with stopping_after(1), at_prepare(replace) as (grads, models, grad_forwards):
             exits_cleanly(lambda: app.run(namespace["main"]))
@@ -146,13 +146,13 @@ def run_plain(flags, save_dir, replace=None, record=None):
     return grads, models, len(grad_forwards)
 
 
-def run_launcher(jagg_flags, flags, save_dir, metrics_dir=None):
+def run_launcher(jagg_flags, flags, save_dir, metrics_dir=None, config=CONFIG):
     """`python -m jagg_patch.deferred [jagg flags] SCRIPT -- [its flags]` in this process: (its gradients at
     each optimizer step, the prepared model's grad-mode forwards)."""
     fresh_absl_flags()
     from jagg_patch.deferred.__main__ import main
     argv = [*map(str, jagg_flags), "--jagg_metrics_dir", str(metrics_dir or save_dir), SCRIPT, "--",
-            *script_flags(flags, save_dir)]
+            *script_flags(flags, save_dir, config)]
     with checkout_on_path(), stopping_after(1), at_prepare() as (grads, _, grad_forwards):
         exits_cleanly(lambda: main(argv))
     return grads, len(grad_forwards)

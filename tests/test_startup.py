@@ -32,6 +32,7 @@ COMMANDS = {
     "diagnostics --help": ["jagg_patch.tools.diagnostics", "dancegrpo.train_grpo_flux", "--help"],
     "fidelity bad flag": ["jagg_patch.tools.fidelity", "dancegrpo.train_grpo_flux", "--no_such_flag"],
     "cost_model bad flag": ["jagg_patch.tools.cost_model", "--no_such_flag"],
+    "cost_flowgrpo --help": ["jagg_patch.tools.cost_flowgrpo", "--help"],
     "deferred --help": ["jagg_patch.deferred", "--help"],
     "deferred bad jagg flag": ["jagg_patch.deferred", "--jagg_window", "1", "train.py"],
 }

@@ -82,7 +82,7 @@ def previous_run_files(output_dir):
     return found + sorted(p for p in glob.glob(os.path.join(output_dir, CHECKPOINT_GLOB)) if os.path.isdir(p))
 
 
-def check_writable(output_dir):
+def check_writable(output_dir, flag="--output_dir"):
     try:
         os.makedirs(output_dir, exist_ok=True)
         probe = os.path.join(output_dir, f".write-test-{os.getpid()}")
@@ -90,7 +90,7 @@ def check_writable(output_dir):
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise ConfigError(f"--output_dir {output_dir!r} is not writable ({e.strerror}); choose a folder you can "
+        raise ConfigError(f"{flag} {output_dir!r} is not writable ({e.strerror}); choose a folder you can "
                           "write to.") from None
 
 

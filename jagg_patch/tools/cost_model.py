@@ -159,14 +159,20 @@ def format_table(rows, settings=SETTINGS):
     return "\n".join(lines)
 
 
-def main(argv=None):
-    """The table takes no argument: any given (a typo, a flag of another tool) is an error, not ignored."""
-    parser = CommandParser(prog="python -m jagg_patch.tools.cost_model", description=__doc__.split("\n\n")[0],
-                           epilog="It takes no arguments; the model's settings are the paper's.")
+def table_command(prog, doc, epilog, table, argv=None):
+    """A command that takes no argument (any given, a typo or a flag of another tool, is an error, not
+    ignored) and prints its module's docstring after the first paragraph, then `table()`."""
+    parser = CommandParser(prog=prog, description=doc.split("\n\n")[0], epilog=epilog)
     parser.parse_args(argv)
-    print(__doc__.split("\n\n", 2)[2].strip())
+    print(doc.split("\n\n", 2)[2].strip())
     print()
-    print(format_table(paper_table()))
+    print(table())
+
+
+def main(argv=None):
+    table_command("python -m jagg_patch.tools.cost_model", __doc__,
+                  "It takes no arguments; the model's settings are the paper's.",
+                  lambda: format_table(paper_table()), argv)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def small_sd3_bench():
     config = tiny_sd3()
     config.pretrained.model = "small"
     config.pretrained.dtype = "float32"
-    config.resolution = 32
+    config.resolution = 64
     config.sample.num_steps = 10
     config.train.beta = 0.0
     config.eval_freq = 1000

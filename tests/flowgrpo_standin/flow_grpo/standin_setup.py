@@ -19,7 +19,7 @@ SIZES = {   # config.pretrained.model -> the transformer's size
 TEXT_TOKENS = 4
 
 
-def tiny_sd3_pipeline(model="tiny", dtype=torch.float64, seed=0, sample_size=8):
+def tiny_sd3_pipeline(model="tiny", dtype=torch.float64, seed=0, sample_size=32):
     from diffusers import (
         AutoencoderKL,
         FlowMatchEulerDiscreteScheduler,

@@ -78,6 +78,13 @@ def test_through_the_launcher_equals_the_jagg_reference(one_process):
     assert (first["deferred_zero_rows"] == first["deferred_endpoint_rows"]) if cfg else first["deferred_zero_rows"] == 0
     if name.endswith("frac06"):   # W 3 over 5 trained steps: [3 JAGG, 2 exact] per sample
         assert first["deferred_exact/routed_exact"] == 2 * 2 * 2 and first["deferred_jagg_groups"] == 4
+    # the cost model's rows per sample (jagg_patch.tools.cost_flowgrpo) are what the proxy counted: 8 samples
+    from jagg_patch.tools.cost_flowgrpo import flowgrpo_passes
+    _, jagg_flags, settings = ONE_PROCESS[name]
+    predicted = flowgrpo_passes(settings["window"], settings["jagg_frac"], steps=6, trained=5, cfg=cfg,
+                                kl=False)["deferred + reuse"]
+    assert sum(line["deferred_forwards_grad"] for line in (first, second)) == 8 * predicted.grad
+    assert first["deferred_forwards_nograd"] + second["deferred_forwards_nograd"] == 8 * predicted.nograd
 
 
 def test_its_info_and_checkpoint_are_its_own(one_process):
@@ -194,3 +201,20 @@ def test_accelerate_launch_line_runs(tmp_path):
             *script_argv(save)], tmp_path, epochs=1)
     assert len(read_jsonl(save / "jagg_metrics.jsonl")) == 2
     assert sum("policy_loss" in line for line in read_jsonl(save / "log.jsonl")) == 2
+
+
+@pytest.mark.slow
+def test_the_benchmark_counts_what_the_cost_model_predicts(tmp_path):
+    """benchmarks/flowgrpo_deferred.py, one repetition: the three modes' rows are the cost model's (per
+    sample, 8 samples an epoch); its times are not asserted (they are measured, not tested)."""
+    run = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "flowgrpo_deferred.py"), "--reps", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    median = json.loads((tmp_path / "flowgrpo_deferred.json").read_text())["median"]
+    from jagg_patch.tools.cost_flowgrpo import flowgrpo_passes
+    predicted = flowgrpo_passes(3, 1.0, kl=False)
+    for mode, name in (("vanilla", "vanilla"), ("deferred", "deferred"), ("deferred_reuse", "deferred + reuse")):
+        assert median[mode]["rows_grad"] == 8 * predicted[name].grad, mode
+        assert median[mode]["rows_nograd"] == 8 * predicted[name].nograd, mode
+    assert median["deferred_reuse"]["rows_reused"] == 8 * 9 and "| deferred_reuse |" in run.stdout

@@ -13,9 +13,11 @@ import pytest
     (["{tmp}/train.py", "--jagg_windw", "4", "--", "--x"], "unknown flag --jagg_windw; did you mean --jagg_window?"),
     (["{tmp}/train.py", "--jagg_grouping", "window"], "use --jagg_grouping trained"),
     (["{tmp}/train.py", "--jagg_frac", "auto"], "has no fidelity monitor"),
-    (["{tmp}/train.py", "--jagg_window", "1"], "--jagg_window: must be >= 2")],
+    (["{tmp}/train.py", "--jagg_window", "1"], "--jagg_window: must be >= 2"),
+    (["{tmp}/train.py", "--jagg_metrics_dir", "{tmp}/notes.txt/m"], "--jagg_metrics_dir '{tmp}/notes.txt/m' is not "
+                                                                   "writable")],
     ids=["nothing", "no-script", "folder", "missing", "not-py", "flag-first", "typo", "window-grouping", "auto",
-         "bad-window"])
+         "bad-window", "unwritable-metrics-dir"])
 def test_what_the_launcher_cannot_run_is_one_line_before_the_script_runs(argv, said, tmp_path, capsys):
     from jagg_patch.deferred.__main__ import main
     (tmp_path / "notes.txt").write_text("x")
@@ -27,7 +29,7 @@ def test_what_the_launcher_cannot_run_is_one_line_before_the_script_runs(argv, s
     if said is None:   # no argument: the usage, exit 2
         assert stop.value.code == 2
         return
-    assert stop.value.code == 2 and said in err and len(err.splitlines()) <= 2, err
+    assert stop.value.code == 2 and said.format(tmp=tmp_path) in err and len(err.splitlines()) <= 2, err
     assert "the script ran" not in err
 
 
