@@ -102,15 +102,20 @@ def main(argv=None):
     from .stats import flush_record
     installed = install_at_prepare(config, on_flush=flush_lines(jagg.jagg_metrics_dir, os.path.basename(script),
                                                                 config, flush_record))
+    ended = False   # the script ran to its end (absl's app.run ends in SystemExit(None) / (0))
     try:
         run_script(script, script_argv)
+        ended = True
     except DeferredError as e:
         from dancegrpo.errors import say
         say(f"error: {e}")
         return 1
+    except SystemExit as e:
+        ended = e.code in (None, 0)
+        raise
     finally:
         installed.remove()
-        if not installed.proxies:
+        if ended and not installed.proxies:
             from dancegrpo.utils.launch import print_on_rank0
             print_on_rank0("notice: the script prepared no model with trainable parameters through accelerate's "
                            "Accelerator.prepare: JAGG did nothing (see docs/deferred.md for a script that prepares "

@@ -49,3 +49,18 @@ def test_a_script_that_prepares_no_model_is_said_to_have_run_without_jagg(tmp_pa
     assert main([str(script), "--jagg_window", "3"]) == 0
     out = capsys.readouterr()
     assert "trained" in out.out and "prepared no model with trainable parameters" in out.err
+
+
+def test_a_model_the_guard_cannot_serve_stops_the_script_in_one_line(tmp_path, capsys):
+    """A prepared model with dropout (the replay would draw another mask): one line naming it, exit 1,
+    before the script goes on; no notice that JAGG did nothing."""
+    from jagg_patch.deferred.__main__ import main
+    script = tmp_path / "train.py"
+    script.write_text("import torch\nfrom accelerate import Accelerator\n"
+                      "model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout(0.1))\n"
+                      "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+                      "model, optimizer = Accelerator().prepare(model, optimizer)\nprint('went on')\n")
+    assert main([str(script), "--jagg_metrics_dir", str(tmp_path / "m")]) == 1
+    out = capsys.readouterr()
+    assert "went on" not in out.out
+    assert out.err.strip().splitlines() == [out.err.strip()] and "cannot replay Dropout(p=0.1)" in out.err
