@@ -159,9 +159,10 @@ def run_launcher(jagg_flags, flags, save_dir, metrics_dir=None, config=CONFIG):
 
 
 def run_case(flags, jagg_flags, jagg_config, workdir):
-    """One setting (`jagg_config`: the reference's window, jagg_frac, mode and alpha, as jagg_flags set them), in this process (one process, or one rank): the stand-in as it is, recorded, and
+    """One setting, in this process (one process, or one rank): the stand-in as it is, recorded, and
     through the launcher; the references from the recorded calls (tests/flowgrpo_reference.py, this
-    rank's rows: under DDP the ranks' references are averaged by the caller). Returns a dict of tensors
+    rank's rows: under DDP the ranks' references are averaged by the caller). `jagg_config` holds the
+    reference's window, jagg_frac, mode and alpha, as `jagg_flags` set them. Returns a dict of tensors
     and counts."""
     import types
 
@@ -191,7 +192,9 @@ def run_case(flags, jagg_flags, jagg_config, workdir):
     own = [(args, kwargs, _leaf_with(leaf, s)) for (args, kwargs, leaf), s in zip(calls, signals)]
     labels = labels_of(records, c.cfg)
     steps = [GA * TRAINED * (i + 1) for i in range(len(plain))]
-    never = lambda label: False   # noqa: E731 (every sample its own noise: no two rollout rows alike)
+
+    def never(label):   # every sample its own noise: no two rollout rows alike
+        return False
     exact = types.SimpleNamespace(mode="exact", window=1, jagg_frac=0.0, alpha="timestep")
     jagg, jagg_forwards = run_launcher(jagg_flags, flags, os.path.join(workdir, "jagg"))
     return {"plain": plain, "jagg": jagg, "plain_forwards": plain_forwards, "jagg_forwards": jagg_forwards,

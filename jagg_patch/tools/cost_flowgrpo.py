@@ -63,7 +63,8 @@ def flowgrpo_table(windows=((3, 1.0), (3, 0.6), (9, 1.0)), settings=SETTINGS, **
     lines = [f"Flow-GRPO SD3 recipe: S {recipe['steps']}, T {recipe['trained']} trained, CFG {recipe['cfg']}, "
              f"KL {recipe['kl']}, {recipe['optimizer_steps']} optimizer steps per epoch",
              "", "| W, jagg_frac | mode | rows / sample (rollout, no-grad, grad, backward) | "
-             + " | ".join(f"update / vanilla at {label} | step / vanilla at {label}" for label, _, _ in settings) + " |",
+             + " | ".join(f"update / vanilla at {label} | step / vanilla at {label}" for label, _, _ in settings)
+             + " |",
              "|---|---|---|" + "---|---|" * len(settings)]
     for window, jagg_frac in windows:
         passes = flowgrpo_passes(window, jagg_frac, **recipe)

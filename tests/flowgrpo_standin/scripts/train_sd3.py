@@ -101,7 +101,8 @@ def log(accelerator, config, data, step):
     if accelerator.is_main_process:   # what wandb would show
         os.makedirs(config.save_dir, exist_ok=True)
         with open(os.path.join(config.save_dir, "log.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, **{k: float(torch.as_tensor(v).detach()) for k, v in data.items()}}) + "\n")
+            values = {k: float(torch.as_tensor(v).detach()) for k, v in data.items()}
+            f.write(json.dumps({"step": step, **values}) + "\n")
 
 
 def eval(pipeline, test_dataloader, config, accelerator, global_step, reward_fn, neg, ema, parameters):

@@ -153,7 +153,8 @@ def test_two_ddp_ranks_equal_the_reference(two_ranks, case):
     plain, jagg = (read_jsonl(two_ranks / case / run / "log.jsonl") for run in ("plain", "jagg"))
     assert plain == jagg and all(line["kl_loss"] > 0 for line in jagg if "kl_loss" in line)
     lines = read_jsonl(two_ranks / case / "jagg" / "jagg_metrics.jsonl")
-    assert len(lines) == 2 and lines[0]["deferred_rows_deferred"] == (80 if case.startswith("cfg") else 40)   # summed over the ranks
+    # summed over the ranks: 2 ranks x 2 batches x 2 samples x 5 steps, doubled with cfg
+    assert len(lines) == 2 and lines[0]["deferred_rows_deferred"] == (80 if case.startswith("cfg") else 40)
     # several replay chunks per rank and flush, all but the last past DDP (as under no_sync): one synced each
     assert all(line["deferred_backward_calls"] > 2 * 1 for line in lines)
 
