@@ -5,7 +5,7 @@ import json
 import os
 
 from dancegrpo.errors import DiskFullError, is_disk_full
-from dancegrpo.utils.communications import all_reduce_max
+from dancegrpo.utils.communications import all_reduce_max, world_size
 from dancegrpo.utils.launch import launch_rank
 from dancegrpo.utils.metrics import append_line, drop_torn_tail
 
@@ -51,13 +51,14 @@ def write_step_line(args, record, step, device):
 def flush_lines(folder, file_name, config, record_of):
     """A proxy's on_flush callback for a script whose update loop is inline in its main() (no
     train_one_step to wrap): each flush's counts, `record_of(stats, device)` (summed over the ranks:
-    jagg_patch.deferred.stats.flush_record), as one line of `folder`/jagg_metrics.jsonl, on rank 0."""
+    jagg_patch.deferred.stats.flush_record) and the number of ranks, as one line of
+    `folder`/jagg_metrics.jsonl, on rank 0."""
     import uuid
     run_id, count = uuid.uuid4().hex[:12], [0]
 
     def write(proxy, stats):
         count[0] += 1
         record = {"flush": count[0], "run_id": run_id, "file": file_name, "update": "deferred", **config.as_dict(),
-                  **record_of([stats], proxy.device)}
+                  **record_of([stats], proxy.device), "world_size": world_size()}
         _stop_if_disk_full(_write_metrics_line(folder, record, first=count[0] == 1), folder, count[0], proxy.device)
     return write

@@ -68,6 +68,7 @@ def test_through_the_launcher_equals_the_jagg_reference(one_process):
     assert r["jagg_forwards"] < r["plain_forwards"] == 2 * 2 * 5   # 2 batches x 5 trained steps per optimizer step
     first, second = read_jsonl(workdir / "jagg" / "jagg_metrics.jsonl")
     assert first["file"] == "train_sd3.py" and first["flush"] == 1 and second["flush"] == 2
+    assert first["world_size"] == second["world_size"] == 1
     rows = first["deferred_rows_deferred"]
     # the rollout's outputs are on-policy until the first optimizer step, then forwarded again
     assert first["deferred_forwards_reused"] == rows and first["deferred_forwards_nograd"] == 0
@@ -155,6 +156,7 @@ def test_two_ddp_ranks_equal_the_reference(two_ranks, case):
     lines = read_jsonl(two_ranks / case / "jagg" / "jagg_metrics.jsonl")
     # summed over the ranks: 2 ranks x 2 batches x 2 samples x 5 steps, doubled with cfg
     assert len(lines) == 2 and lines[0]["deferred_rows_deferred"] == (80 if case.startswith("cfg") else 40)
+    assert {line["world_size"] for line in lines} == {2}
     # several replay chunks per rank and flush, all but the last past DDP (as under no_sync): one synced each
     assert all(line["deferred_backward_calls"] > 2 * 1 for line in lines)
 
