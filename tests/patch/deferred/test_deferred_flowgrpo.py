@@ -103,6 +103,18 @@ def test_its_info_and_checkpoint_are_its_own(one_process):
     assert plain_ckpt.keys() == jagg_ckpt.keys() and all(torch.equal(plain_ckpt[k], jagg_ckpt[k]) for k in plain_ckpt)
 
 
+def test_two_inner_epochs_equal_the_reference(tmp_path):
+    """train.num_inner_epochs 2: the epoch's samples trained twice, four optimizer steps; only the first
+    step's rows are on-policy (the rollout's outputs taken), every later one is forwarded again."""
+    r = run_case(["--config.train.num_inner_epochs=2", "--config.train.beta=0"], ["--jagg_window", "3", "--jagg_frac", "1"],
+                 reference_settings(3, 1.0), str(tmp_path))
+    assert len(r["plain"]) == len(r["jagg"]) == 4
+    assert max(relative_error(a, b) for a, b in zip(r["plain"], r["ref_vanilla"])) < 1e-12
+    assert max(relative_error(a, b) for a, b in zip(r["jagg"], r["ref_jagg"])) < 1e-12
+    lines = read_jsonl(tmp_path / "jagg" / "jagg_metrics.jsonl")
+    assert [line["deferred_forwards_reused"] > 0 for line in lines] == [True, False, False, False]
+
+
 def test_a_grad_scaler_is_flushed_before_accelerate_unscales(tmp_path):
     """fp16 as accelerate runs it on a GPU (a GradScaler scales the loss, accelerate's clip unscales, the
     optimizer steps through the scaler): the proxy's signals arrive scaled and its flush runs before the
