@@ -106,8 +106,8 @@ def test_its_info_and_checkpoint_are_its_own(one_process):
 def test_two_inner_epochs_equal_the_reference(tmp_path):
     """train.num_inner_epochs 2: the epoch's samples trained twice, four optimizer steps; only the first
     step's rows are on-policy (the rollout's outputs taken), every later one is forwarded again."""
-    r = run_case(["--config.train.num_inner_epochs=2", "--config.train.beta=0"], ["--jagg_window", "3", "--jagg_frac", "1"],
-                 reference_settings(3, 1.0), str(tmp_path))
+    r = run_case(["--config.train.num_inner_epochs=2", "--config.train.beta=0"],
+                 ["--jagg_window", "3", "--jagg_frac", "1"], reference_settings(3, 1.0), str(tmp_path))
     assert len(r["plain"]) == len(r["jagg"]) == 4
     assert max(relative_error(a, b) for a, b in zip(r["plain"], r["ref_vanilla"])) < 1e-12
     assert max(relative_error(a, b) for a, b in zip(r["jagg"], r["ref_jagg"])) < 1e-12
