@@ -20,7 +20,8 @@ Run a GRPO training script, unedited, with JAGG's deferred backward: the model i
 accelerator.prepare returns is a proxy that defers each update call's backward, folds the
 upstream gradients of W consecutive trained steps and replays the two endpoints before the
 script clips or steps (docs/deferred.md; Flow-GRPO's trainers: docs/flowgrpo.md). After `--`
-every argument is the script's. JAGG flags (defaults in parentheses; --jagg_backward and the monitor are not used here):
+every argument is the script's. JAGG flags (defaults in parentheses; --jagg_backward and the
+monitor are not used here):
 JAGG_FLAGS
 --jagg_mode exact runs the script as it is. Each flush's counts go to jagg_metrics.jsonl in
 --jagg_metrics_dir (the working folder by default), one line per flush.
