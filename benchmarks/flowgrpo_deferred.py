@@ -60,11 +60,11 @@ def update_clock():
         Accelerator.accumulate, Accelerator.prepare = original_accumulate, original_prepare
 
 
-def run_mode(mode, workdir, window, jagg_frac):
+def run_mode(mode, workdir, window, jagg_frac, meter=None):
     from flowgrpo_harness import run_launcher, run_plain
     from helpers import read_jsonl
     save = os.path.join(workdir, mode)
-    with update_clock() as marks:
+    with update_clock() as marks, (meter or contextlib.nullcontext()):
         if mode == "vanilla":
             _, _, grad_calls = run_plain([], save, config=CONFIG)
         else:
@@ -82,6 +82,13 @@ def run_mode(mode, workdir, window, jagg_frac):
         record.update(rows_grad=total["forwards_grad"], rows_nograd=total["forwards_nograd"],
                       rows_reused=total["forwards_reused"], backward_calls=total["backward_calls"])
     return record
+
+
+def paired(runs, mode, key):
+    """mode / vanilla per repetition (run back to back, so a slow spell of the machine hits both), as
+    'median (min-max)'."""
+    ratios = [r[key] / v[key] for r, v in zip(runs[mode], runs["vanilla"])]
+    return f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def main(argv=None):
@@ -102,17 +109,26 @@ def main(argv=None):
         for mode in MODES:
             runs[mode].append(run_mode(mode, os.path.join(out, f"rep{rep}"), args.window, args.jagg_frac))
     median = {mode: {k: statistics.median(r[k] for r in records) for k in records[0]} for mode, records in runs.items()}
+    from dancegrpo.utils.activation_meter import ActivationMeter
+    for mode in MODES:
+        with ActivationMeter() as meter:
+            run_mode(mode, os.path.join(out, "memory"), args.window, args.jagg_frac, meter)
+        median[mode]["activation_peak_mb"] = meter.peak_mb
     base = median["vanilla"]
     print(f"Flow-GRPO SD3 stand-in (small_sd3_bench: S 10, 9 trained, CFG, two optimizer steps per epoch), "
           f"W {args.window}, jagg_frac {args.jagg_frac}, {args.reps} repetitions, medians, one process, "
           f"{torch.get_num_threads()} thread(s)")
     print("| mode | update s | update / vanilla | epoch s | epoch / vanilla | rows with grad | rows without grad | "
-          "rows reused | backward calls |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "rows reused | backward calls | activation peak MB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mode, m in median.items():
-        print(f"| {mode} | {m['update_s']:.2f} | {m['update_s'] / base['update_s']:.3f} | {m['epoch_s']:.2f} | "
-              f"{m['epoch_s'] / base['epoch_s']:.3f} | {m['rows_grad']:g} | {m['rows_nograd']:g} | "
-              f"{m['rows_reused']:g} | {m['backward_calls']:g} |")
+        print(f"| {mode} | {m['update_s']:.2f} | {paired(runs, mode, 'update_s')} | {m['epoch_s']:.2f} | "
+              f"{paired(runs, mode, 'epoch_s')} | {m['rows_grad']:g} | {m['rows_nograd']:g} | "
+              f"{m['rows_reused']:g} | {m['backward_calls']:g} | {m['activation_peak_mb']:.1f} |")
+    print("(a ratio: the median over the repetitions of each one's mode / vanilla, the modes of a repetition "
+          "run back to back; in parentheses the smallest and largest)")
+    within = all(m["activation_peak_mb"] <= 1.05 * base["activation_peak_mb"] for m in median.values())
+    print(f"activation peak within 1.05 x vanilla's in every mode: {'yes' if within else 'NO'}")
     from jagg_patch.tools.cost_flowgrpo import flowgrpo_table
     print()
     print("Predicted (jagg_patch.tools.cost_flowgrpo, no KL):")

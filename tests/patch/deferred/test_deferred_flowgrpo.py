@@ -223,7 +223,8 @@ def test_accelerate_launch_line_runs(tmp_path):
 @pytest.mark.slow
 def test_the_benchmark_counts_what_the_cost_model_predicts(tmp_path):
     """benchmarks/flowgrpo_deferred.py, one repetition: the three modes' rows are the cost model's (per
-    sample, 8 samples an epoch); its times are not asserted (they are measured, not tested)."""
+    sample, 8 samples an epoch) and their activation peaks vanilla's; its times are not asserted (they are
+    measured, not tested)."""
     run = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "benchmarks", "flowgrpo_deferred.py"), "--reps", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=900,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -235,3 +236,6 @@ def test_the_benchmark_counts_what_the_cost_model_predicts(tmp_path):
         assert median[mode]["rows_grad"] == 8 * predicted[name].grad, mode
         assert median[mode]["rows_nograd"] == 8 * predicted[name].nograd, mode
     assert median["deferred_reuse"]["rows_reused"] == 8 * 9 and "| deferred_reuse |" in run.stdout
+    # the replay runs chunks no larger than the loop's calls: the bytes saved for backward peak as vanilla's
+    vanilla_peak = median["vanilla"]["activation_peak_mb"]
+    assert vanilla_peak > 0 and all(m["activation_peak_mb"] <= 1.05 * vanilla_peak for m in median.values())
