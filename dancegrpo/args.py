@@ -170,8 +170,7 @@ def join_negative_values(argv):
 def explicit_flags(parser, argv):
     """The dests of the flags written on the command line (a resume keeps the checkpoint's seed
     unless --seed is among them)."""
-    actions = parser._option_string_actions  # argparse has no public map from option string to dest
-    return sorted({actions[tok.split("=", 1)[0]].dest for tok in argv if tok.split("=", 1)[0] in actions})
+    return sorted(typed_flags(parser, argv))
 
 
 def check_preset_world(parser, argv, preset):

@@ -29,8 +29,8 @@ is locked while an evaluation writes it (a second one there is refused), and a l
 the same metrics and sampling settings adds its rows to table.md / comparison.json (a label
 evaluated again replaces its row); one of other metrics, or of another sampler, eta, step count,
 shift, guidance, size, precision, seed, images per prompt or prompt set, is refused before any
-model loads (its rows would differ by their settings alone). table.md ends with those settings. The generation and scoring are dancegrpo.eval_run's, loaded
-once the command line is answered.
+model loads (its rows would differ by their settings alone). table.md ends with those settings. The
+generation and scoring are dancegrpo.eval_run's, loaded once the command line is answered.
 """
 import argparse
 import contextlib
@@ -156,7 +156,7 @@ def hold_run_folders(checkpoints, stack):
             stack.enter_context(ReaderLock(folder, "dancegrpo.evaluate"))
         except OSError as e:   # a read-only copy of a run: nobody can delete there either
             say(f"notice: cannot mark {folder!r} as being read ({e.strerror}); a run started there could delete "
-                  "its checkpoints during the evaluation")
+                "its checkpoints during the evaluation")
 
 
 def main(argv=None):
@@ -173,8 +173,8 @@ def main(argv=None):
         if not is_disk_full(e):
             raise
         say(f"stopped: no space left to write {e.filename or 'a file'} in {args.output_dir!r} ({e.strerror}); "
-              "every file there is whole (each is written under a temporary name, then renamed), table.md "
-              "lists the checkpoints scored before. Free space and run the evaluation again")
+            "every file there is whole (each is written under a temporary name, then renamed), table.md "
+            "lists the checkpoints scored before. Free space and run the evaluation again")
         raise SystemExit(3) from None
 
 

@@ -15,6 +15,7 @@ Three things differ from a plain `torchrun`, all about stopping:
 """
 import os
 import sys
+
 from .errors import say
 
 DEFAULT_GRACE_S = 900
@@ -48,7 +49,7 @@ def main(argv=None):
         torchrun(argv)
     except SignalException as stop:
         say(f"launcher: {stop.sigval.name}: the workers were stopped (each saves a checkpoint after its "
-              "step); continue with --resume_from_checkpoint latest")
+            "step); continue with --resume_from_checkpoint latest")
         sys.exit(128 + int(stop.sigval))
     except ChildFailedError as failed:
         line, code = describe_failure(*failed.get_first_failure())   # torchrun's root cause

@@ -237,8 +237,8 @@ def main(argv=None):
     except OSError as e:
         full = is_disk_full(e)
         say(f"{'stopped' if full else 'error'}: cannot write the build into {args.out!r}: {e.strerror}"
-              f"{'' if full else f' ({e.filename})'}; nothing was written there (an earlier build in it is untouched)"
-              f"{': free space and build again' if full else ''}")
+            f"{'' if full else f' ({e.filename})'}; nothing was written there (an earlier build in it is untouched)"
+            f"{': free space and build again' if full else ''}")
         raise SystemExit(3 if full else 2) from None
 
 

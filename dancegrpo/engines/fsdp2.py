@@ -24,9 +24,9 @@ import os
 import torch
 
 from ..errors import ConfigError
+from ..utils.command_line import flag_as_typed
 from ..utils.fsdp_util import apply_activation_checkpointing, broadcast_module_states, resolve_weight_type
 from .base import build_optimizer
-from ..utils.command_line import flag_as_typed
 from .fsdp import FSDPEngine, check_cpu_offload
 from .probe import GradProbe
 

@@ -12,8 +12,8 @@ import signal
 import threading
 import time
 
-from ..utils.communications import all_reduce_max
 from ..errors import say
+from ..utils.communications import all_reduce_max
 
 GRACE_S = 120.0  # after the launcher's death, the longest a worker waits for its step to finish
 # The launcher's death reaches no worker as a signal (SIGKILL, a crash): it is recorded as SIGHUP, the
@@ -48,7 +48,7 @@ class StopRequest:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now
         self.signum = signum
         say(f"\n{NAMES.get(signum, signum)} received: finishing this step, then saving a checkpoint and "
-              "stopping (Ctrl-C again to stop at once)")
+            "stopping (Ctrl-C again to stop at once)")
 
     def _watch_parent(self, parent):
         while os.getppid() == parent:

@@ -33,7 +33,7 @@ class CommandParser(argparse.ArgumentParser):
 def typed_flags(parser, argv):
     """{dest: the option string written on the command line} (a flag with two spellings, upstream's
     --fsdp_sharding_startegy and --fsdp_sharding_strategy, is named in errors as the user wrote it)."""
-    actions = parser._option_string_actions
+    actions = parser._option_string_actions  # argparse has no public map from option string to dest
     return {actions[tok.split("=", 1)[0]].dest: tok.split("=", 1)[0] for tok in argv
             if tok.split("=", 1)[0] in actions}
 

@@ -6,7 +6,6 @@ import sys
 from ..errors import say
 
 
-
 def launch_rank():
     """This process's rank as torchrun set it (0 outside torchrun): known before the group exists, and
     in tools and launchers that never join one."""
