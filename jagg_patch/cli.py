@@ -19,6 +19,17 @@ def fail(message):
     sys.exit(2)  # argparse's code for a usage error
 
 
+def require_writable(folder, flag):
+    """The folder a launcher writes jagg_metrics.jsonl to, proved writable before the script it runs
+    loads anything (else found so at the first line, after a rollout and an update): one line, exit 2."""
+    from dancegrpo.errors import ConfigError
+    from dancegrpo.run.rundir import check_writable
+    try:
+        check_writable(folder, flag=flag)
+    except ConfigError as e:
+        fail(str(e))
+
+
 def load_trainer(name, usage):
     """Import a trainer module named on the command line (its parser; its seams load on first use)."""
     if name.startswith("-"):

@@ -27,6 +27,7 @@ JAGG_FLAGS
 --jagg_metrics_dir (the working folder by default), one line per flush.
 """
 
+
 def launcher_parser():
     from dancegrpo.utils.command_line import CommandParser
     from ..cli import add_jagg_args
@@ -54,19 +55,6 @@ def check_script(path):
         fail(f"{path!r} is not a Python file; give the training script (a .py file)")
 
 
-def check_metrics_dir(folder):
-    """The folder jagg_metrics.jsonl goes to, proved writable before the script loads anything (else the
-    first flush, after a rollout and an update, would find it so)."""
-    from dancegrpo.errors import ConfigError
-    from dancegrpo.run.rundir import check_writable
-
-    from ..cli import fail
-    try:
-        check_writable(folder, flag="--jagg_metrics_dir")
-    except ConfigError as e:
-        fail(str(e))
-
-
 def run_script(path, argv):
     """The script as `__main__`, as `python SCRIPT argv...` runs it: its folder first on sys.path."""
     import runpy
@@ -84,7 +72,7 @@ def main(argv=None):
     if not argv or argv[0] in ("-h", "--help"):
         print(usage())
         return 0 if argv else 2
-    from ..cli import deferred_refusal, fail, jagg_config, split_launcher_argv
+    from ..cli import deferred_refusal, fail, jagg_config, require_writable, split_launcher_argv
     parser = launcher_parser()
     tokens, script, script_argv = split_launcher_argv(parser, argv, "the script", separator="--")
     jagg = parser.parse_args(tokens)
@@ -96,7 +84,7 @@ def main(argv=None):
     if config.mode == "exact":
         run_script(script, script_argv)
         return 0
-    check_metrics_dir(jagg.jagg_metrics_dir)
+    require_writable(jagg.jagg_metrics_dir, "--jagg_metrics_dir")
     from ..metrics_file import flush_lines   # torch and accelerate: once the command line is answered
     from .errors import DeferredError
     from .prepare import install_at_prepare

@@ -22,11 +22,12 @@ if __name__ == "__main__":   # --help and flag errors, before torch loads
     from jagg_patch.tools.tool_args import add_fidelity_args as _flags, answer_first
     answer_first("jagg_patch.tools.fidelity", __doc__, _flags)
 
+from dancegrpo.errors import say  # noqa: E402
+
 from ..cli import check_trajectory, trainer_cli  # noqa: E402
-from .diagnostics import measure_rollout, setup_diagnostics  # noqa: E402
 from ..spread import spread  # noqa: E402
+from .diagnostics import measure_rollout, setup_diagnostics  # noqa: E402
 from .tool_args import add_fidelity_args  # noqa: E402
-from dancegrpo.errors import say
 
 
 def _stats(values):

@@ -16,7 +16,7 @@ from dancegrpo.utils.command_line import CommandParser
 from dancegrpo.utils.launch import launch_rank
 
 from ..cli import (add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto,
-                   split_launcher_argv)
+                   require_writable, split_launcher_argv)
 from ..settings import resolve_backward
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
 from .loader import load_trainer, run_main_block
@@ -213,7 +213,8 @@ def main(argv=None):
     trainer, update = module.train_one_step.jagg_trainer, module.train_one_step.jagg_update
 
     def checked_main(args):
-        check_output_dir(args)
+        if getattr(args, "output_dir", None):   # where jagg_metrics.jsonl goes
+            require_writable(args.output_dir, "--output_dir")
         preflight(args, jagg, family, trainer, update)
         # lowered to the samples a rank trains (the update measures that many too), auto's backward
         # turned to one the trainer runs, or the window narrowed to the transitions a sample trains
@@ -227,18 +228,6 @@ def main(argv=None):
     module.main = checked_main   # upstream's __main__ block calls main(args) by its global name
     run_deferred_errors(lambda: run_main_block(module, upstream_argv))
     return 0
-
-
-def check_output_dir(args):
-    """The folder jagg_metrics.jsonl goes to, proved writable before upstream's main loads anything
-    (the trainers' rule; it was found unwritable only after a step had trained)."""
-    from dancegrpo.errors import ConfigError
-    from dancegrpo.run.rundir import check_writable
-    if getattr(args, "output_dir", None):
-        try:
-            check_writable(args.output_dir)
-        except ConfigError as e:
-            fail(str(e))
 
 
 def run_deferred_errors(fn):
