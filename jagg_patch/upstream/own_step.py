@@ -20,9 +20,9 @@ from dancegrpo.utils.metrics import PassCounter
 
 from ..deferred import wrap
 from ..deferred.stats import flush_record
+from ..metrics_file import write_step_line
 from .families import FAMILIES
 from .fingerprint import UpstreamUnsupported
-from ..metrics_file import write_step_line
 
 MODEL_ARGUMENT, OPTIMIZER_ARGUMENT = "transformer", "optimizer"
 # The reward files' mean-reward line, by file, as this adapter's records name it.

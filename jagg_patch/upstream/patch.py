@@ -12,10 +12,10 @@ from dancegrpo.utils.launch import print_on_rank0
 
 from ..config import as_config
 from ..deferred.proxy import check_config
+from ..metrics_file import write_step_line
 from ..update import make_policy_update, make_window_selection
 from .families import FAMILIES
 from .fingerprint import UpstreamUnsupported, check_upstream
-from ..metrics_file import write_step_line
 from .own_step import own_train_one_step
 from .step import train_step
 
