@@ -10,6 +10,7 @@ import sys
 
 import torch
 from helpers import REPO_ROOT
+from prepare_hooks import at_prepare, fresh_absl_flags
 
 ROOT = os.path.join(REPO_ROOT, "tests", "flowgrpo_standin")
 SCRIPT = os.path.join(ROOT, "scripts", "train_sd3.py")
@@ -32,14 +33,6 @@ def checkout_on_path():
         sys.path[:] = saved
 
 
-def fresh_absl_flags():
-    """absl's flags as a new process has them (ml_collections registers a flag per overridden field)."""
-    from absl import flags
-    for name in [n for n in list(flags.FLAGS) if n.startswith("config.")]:
-        delattr(flags.FLAGS, name)
-    flags.FLAGS.unparse_flags()
-
-
 def load_script():
     """scripts/train_sd3.py's definitions in a namespace of their own (its main block not run); its
     imports need the checkout on sys.path."""
@@ -57,40 +50,6 @@ def perturb_lora(model, seed=5):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.05)
-
-
-def trainable(model):
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def flat_grad(params):
-    return torch.cat([torch.zeros(p.numel(), dtype=p.dtype) if p.grad is None else p.grad.reshape(-1).clone()
-                      for p in params])
-
-
-@contextlib.contextmanager
-def at_prepare(replace=None):
-    """Accelerator.prepare wrapped (over whatever wraps it already): lora_B perturbed before it, the gradient
-    kept at every real optimizer step, `replace(model)` returned for the prepared model. Yields
-    (the gradients, the prepared models, the prepared models' forwards in grad mode: under DDP, each
-    one a synced backward)."""
-    from accelerate import Accelerator
-    original, grads, models, grad_forwards = Accelerator.prepare, [], [], []
-
-    def prepare(self, model, optimizer, *rest):
-        perturb_lora(model)
-        params = trainable(model)
-        model, wrapped, *rest = original(self, model, optimizer, *rest)
-        wrapped.optimizer.register_step_pre_hook(lambda *a: grads.append(flat_grad(params)))
-        model.register_forward_pre_hook(lambda *a: grad_forwards.append(1) if torch.is_grad_enabled() else None)
-        models.append(model)
-        return ((replace(model) if replace else model), wrapped, *rest)
-
-    Accelerator.prepare = prepare
-    try:
-        yield grads, models, grad_forwards
-    finally:
-        Accelerator.prepare = original
 
 
 @contextlib.contextmanager
@@ -139,7 +98,7 @@ def run_plain(flags, save_dir, replace=None, record=None, config=CONFIG):
     saved = sys.argv
     sys.argv = [SCRIPT, *script_flags(flags, save_dir, config)]
     try:
-        with stopping_after(1), at_prepare(replace) as (grads, models, grad_forwards):
+        with stopping_after(1), at_prepare(replace, before=perturb_lora) as (grads, models, grad_forwards):
             exits_cleanly(lambda: app.run(namespace["main"]))
     finally:
         sys.argv = saved
@@ -153,7 +112,7 @@ def run_launcher(jagg_flags, flags, save_dir, metrics_dir=None, config=CONFIG):
     from jagg_patch.deferred.__main__ import main
     argv = [*map(str, jagg_flags), "--jagg_metrics_dir", str(metrics_dir or save_dir), SCRIPT, "--",
             *script_flags(flags, save_dir, config)]
-    with checkout_on_path(), stopping_after(1), at_prepare() as (grads, _, grad_forwards):
+    with checkout_on_path(), stopping_after(1), at_prepare(before=perturb_lora) as (grads, _, grad_forwards):
         exits_cleanly(lambda: main(argv))
     return grads, len(grad_forwards)
 

@@ -7,56 +7,23 @@ accelerate prepares behind the deferred proxy (jagg_patch.deferred.prepare), flo
   latent, so the first step's rows are trained exactly; with train.cfg on and off, clip_sample on and off;
 - `python -m jagg_patch.upstream train_grpo_sd.py` end to end.
 """
-import contextlib
 import os
 import subprocess
 import sys
 
 import pytest
-import torch
 
 from deferred_loops import SignalRecorder, jagg_reference
 from helpers import REPO_ROOT, read_jsonl, relative_error
 from jagg_patch import JaggConfig
 from jagg_patch.upstream import load_trainer, run_main_block
+from prepare_hooks import at_prepare, fresh_absl_flags
 from upstream_harness import STANDIN, in_tmp  # noqa: F401
 
 SD = os.path.join(STANDIN, "fastvideo", "train_grpo_sd.py")
 CONFIG = os.path.join(STANDIN, "fastvideo", "config_sd", "base.py")
 BATCH, TRAINED = 2, 4   # the config's train.batch_size, and int(6 steps * 0.8)
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
-
-
-@contextlib.contextmanager
-def at_prepare(replace=None):
-    """Accelerator.prepare wrapped (over whatever wraps it already): `replace(model)` stands for the model it
-    returns; the gradient of the model's parameters is kept at every real optimizer step (lr 0: the
-    parameters never move, so every step's gradient is at the same weights)."""
-    from accelerate import Accelerator
-    original, grads = Accelerator.prepare, []
-
-    def prepare(self, model, optimizer):
-        model, wrapped = original(self, model, optimizer)
-        params = [p for p in model.parameters() if p.requires_grad]
-        wrapped.optimizer.register_step_pre_hook(
-            lambda *a: grads.append(torch.cat([torch.zeros(p.numel(), dtype=p.dtype) if p.grad is None
-                                               else p.grad.reshape(-1).clone() for p in params])))
-        return (replace(model) if replace else model), wrapped
-
-    Accelerator.prepare = prepare
-    try:
-        yield grads
-    finally:
-        Accelerator.prepare = original
-
-
-def fresh_absl_flags():
-    """absl's flags as a new process has them: ml_collections registers a flag per config field overridden
-    on the command line, which a second run in this process would register again."""
-    from absl import flags
-    for name in [n for n in list(flags.FLAGS) if n.startswith("config.")]:
-        delattr(flags.FLAGS, name)
-    flags.FLAGS.unparse_flags()
 
 
 def run_sd(flags, config=None, replace=None):
@@ -68,7 +35,7 @@ def run_sd(flags, config=None, replace=None):
         from jagg_patch.deferred.prepare import install_at_prepare
         installed = install_at_prepare(config)
     try:
-        with at_prepare(replace) as grads:
+        with at_prepare(replace) as (grads, _, _):
             with pytest.raises(SystemExit) as done:   # absl's app.run exits when main returns
                 run_main_block(module, ["--config", CONFIG, "--config.train.learning_rate=0.0", *map(str, flags)])
     finally:
@@ -161,7 +128,7 @@ def test_the_generic_launcher_runs_the_sd_trainer_as_the_prepare_hook_does(tmp_p
     fresh_absl_flags()
     monkeypatch.syspath_prepend(STANDIN)   # the stand-in checkout's fastvideo package, as an installed one
     from jagg_patch.deferred.__main__ import main
-    with at_prepare() as grads:
+    with at_prepare() as (grads, _, _):
         with pytest.raises(SystemExit) as done:   # absl's app.run exits when main returns
             main([SD, "--jagg_window", "3", "--jagg_metrics_dir", str(tmp_path / "m"), "--jagg_frac", "1", "--",
                   "--config", CONFIG, "--config.train.learning_rate=0.0", *flags])
