@@ -204,7 +204,7 @@ def test_torchrun_launch_line_trains_two_epochs(tmp_path):
     assert all(line["deferred_exact_rows"] == line["deferred_exact/routed_exact"] for line in flushes)
     # each epoch's rollout is a new one: its first flush reuses the rollout's outputs, its second cannot
     assert [line["deferred_forwards_reused"] > 0 for line in flushes] == [True, False, True, False]
-    assert all(json.dumps(line) for line in logged) and logged[-1]["approx_kl"] > 0   # the policy moved
+    assert logged[-1]["approx_kl"] > 0   # the policy moved: the second step's ratios are no longer 1
     assert (save / "checkpoints" / "checkpoint-2" / "lora" / "adapter_model.safetensors").is_file()
 
 
