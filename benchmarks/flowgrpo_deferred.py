@@ -13,7 +13,6 @@ Prints, per mode: the update phase's seconds (from the first update call to the 
 its ratio to vanilla, the whole epoch's, and the rows forwarded with / without grad, reused, and the
 backward calls; then the cost model's prediction (jagg_patch.tools.cost_flowgrpo, without KL).
 """
-import argparse
 import contextlib
 import json
 import os
@@ -92,7 +91,8 @@ def paired(runs, mode, key):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from dancegrpo.utils.command_line import CommandParser
+    parser = CommandParser(prog="python benchmarks/flowgrpo_deferred.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--window", default="3")
     parser.add_argument("--jagg_frac", default="1")
