@@ -81,7 +81,7 @@ def test_through_the_launcher_equals_the_jagg_reference(one_process):
         assert first["deferred_exact/routed_exact"] == 2 * 2 * 2 and first["deferred_jagg_groups"] == 4
     # the cost model's rows per sample (jagg_patch.tools.cost_flowgrpo) are what the proxy counted: 8 samples
     from jagg_patch.tools.cost_flowgrpo import flowgrpo_passes
-    _, jagg_flags, settings = ONE_PROCESS[name]
+    settings = ONE_PROCESS[name][2]
     predicted = flowgrpo_passes(settings["window"], settings["jagg_frac"], steps=6, trained=5, cfg=cfg,
                                 kl=False)["deferred + reuse"]
     assert sum(line["deferred_forwards_grad"] for line in (first, second)) == 8 * predicted.grad
