@@ -8,7 +8,7 @@ import sys
 from dancegrpo.errors import say
 from dancegrpo.utils.launch import print_on_rank0
 
-from .cli import check_trajectory, jagg_config, jagg_plan_text, trainer_cli
+from .cli import check_deferred, check_trajectory, jagg_config, jagg_plan_text, trainer_cli
 
 USAGE = """usage: python -m jagg_patch TRAINER_MODULE [trainer flags] [--jagg_* flags]
        torchrun --nproc_per_node=N -m jagg_patch TRAINER_MODULE ...
@@ -39,7 +39,8 @@ def _usage():
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     module, parser, rest = trainer_cli(argv, "jagg_patch", _usage())
-    from dancegrpo.args import parse_args
+    from dancegrpo.args import join_negative_values, parse_args
+    check_deferred(parser.parse_args(join_negative_values(rest)))   # before the engine's own checks (an install)
     args = parse_args(parser, rest)
     check_trajectory(args)
     from .patch import apply_deferred, apply_jagg   # the update (torch) loads once the command line is answered

@@ -48,17 +48,48 @@ def write_step_line(args, record, step, device):
     _stop_if_disk_full(_write_metrics_line(output_dir, record, first=step == 1), output_dir, step, device)
 
 
-def flush_lines(folder, file_name, config, record_of):
+class FlushLines:
     """A proxy's on_flush callback for a script whose update loop is inline in its main() (no
     train_one_step to wrap): each flush's counts, `record_of(stats, device)` (summed over the ranks:
     jagg_patch.deferred.stats.flush_record) and the number of ranks, as one line of
-    `folder`/jagg_metrics.jsonl, on rank 0."""
-    import uuid
-    run_id, count = uuid.uuid4().hex[:12], [0]
+    <folder>/jagg_metrics.jsonl, on rank 0. The folder is the one given, else the one the script names
+    to accelerate (its ProjectConfiguration's project_dir), else the working folder; it is decided at
+    the script's first prepare (`place`) and said once. `records` keeps every line, for the run's summary."""
 
-    def write(proxy, stats):
-        count[0] += 1
-        record = {"flush": count[0], "run_id": run_id, "file": file_name, "update": "deferred", **config.as_dict(),
-                  **record_of([stats], proxy.device), "world_size": world_size()}
-        _stop_if_disk_full(_write_metrics_line(folder, record, first=count[0] == 1), folder, count[0], proxy.device)
-    return write
+    def __init__(self, folder, file_name, config, record_of):
+        import uuid
+        self.folder, self.file_name, self.config, self.record_of = folder, file_name, config, record_of
+        self.run_id, self.records = uuid.uuid4().hex[:12], []
+
+    def place(self, accelerator, say=print):
+        """The folder, once: given, else the accelerator's project_dir, else the working folder (checked
+        writable: a DeferredError line otherwise); its file's path said on rank 0."""
+        if getattr(self, "_placed", False):
+            return
+        from dancegrpo.errors import ConfigError
+        from dancegrpo.run.rundir import check_writable
+        from .deferred.errors import DeferredError
+        named = None if self.folder else getattr(accelerator, "project_dir", None)
+        folder = self.folder or named or "."
+        try:
+            check_writable(folder, flag="--jagg_metrics_dir" if self.folder else "the metrics folder")
+        except ConfigError as e:
+            raise DeferredError(str(e)) from None
+        self.folder, self._placed = folder, True
+        whose = " (the script's accelerate project_dir; --jagg_metrics_dir DIR to choose)" if named else ""
+        if launch_rank() == 0:
+            say(f"jagg_patch.deferred: one line per flush in {os.path.abspath(self.path)}{whose}")
+
+    @property
+    def path(self):
+        return os.path.join(self.folder or ".", METRICS_FILE)
+
+    def __call__(self, proxy, stats):
+        if self.folder is None:
+            self.folder = "."
+        count = len(self.records) + 1
+        record = {"flush": count, "run_id": self.run_id, "file": self.file_name, "update": "deferred",
+                  **self.config.as_dict(), **self.record_of([stats], proxy.device), "world_size": world_size()}
+        self.records.append(record)
+        _stop_if_disk_full(_write_metrics_line(self.folder, record, first=count == 1), self.folder, count,
+                           proxy.device)

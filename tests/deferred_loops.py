@@ -74,6 +74,8 @@ class Setting:
     seed: int = 0
     shared_noise: bool = False   # one initial latent for every sample (DanceGRPO SD)
     reevaluate: bool = False     # the Flux loop recomputes every rollout row's output without grad first
+    timesteps: str = "tensor"    # the Flux loop's timestep argument: "tensor" ([1] float64), "float" (a Python
+    #                              float), "mixed" (a float in the rollout, a 0-d float64 tensor in the update)
 
     @property
     def samples(self):
@@ -136,6 +138,13 @@ def capture_grads(optimizer, params, log):
 
 # ---------------------------------------------------------------- DanceGRPO's Flux trainer, per sample
 
+def timestep_of(sigma, form, update):
+    """The timestep argument in the form a loop passes it (Setting.timesteps)."""
+    if form == "float" or (form == "mixed" and not update):
+        return float(sigma)
+    return sigma.reshape(()) if form == "mixed" else sigma.expand(1)
+
+
 def flux_loop(model, optimizer, s, log, generator, clip="torch"):
     """upstream's train_one_step: one sample per call, keyword calls with return_dict=False, each
     sample's trained steps a random permutation's first, an optimizer step every `accumulation` samples."""
@@ -147,8 +156,8 @@ def flux_loop(model, optimizer, s, log, generator, clip="torch"):
         traj, lp = [z], []
         with torch.no_grad():
             for k in range(s.steps):
-                v = model(hidden_states=z, timestep=sigmas[k].expand(1), encoder_hidden_states=cond[i:i + 1],
-                          return_dict=False)[0]
+                v = model(hidden_states=z, timestep=timestep_of(sigmas[k], s.timesteps, False),
+                          encoder_hidden_states=cond[i:i + 1], return_dict=False)[0]
                 z, logp = gaussian_step(z, v, float(sigmas[k]), float(sigmas[k + 1]), s.eta, generator=generator)
                 traj.append(z)
                 lp.append(logp)
@@ -168,7 +177,7 @@ def flux_loop(model, optimizer, s, log, generator, clip="torch"):
         for j in range(s.trained):
             k = int(perms[i, j])
             log.calls.append([(i, 0, k)])
-            v = model(hidden_states=latents[i, k:k + 1], timestep=sigmas[k].expand(1),
+            v = model(hidden_states=latents[i, k:k + 1], timestep=timestep_of(sigmas[k], s.timesteps, True),
                       encoder_hidden_states=cond[i:i + 1], return_dict=False)[0]
             _, logp = gaussian_step(latents[i, k:k + 1], v, float(sigmas[k]), float(sigmas[k + 1]), s.eta,
                                     prev=latents[i, k + 1:k + 2])
@@ -382,7 +391,7 @@ def jagg_reference(model, calls, labels, steps, config, identical, row_args):
                     surrogate = surrogate + half * (_row_term(model, group[0], signals[0])
                                                     + _row_term(model, group[-1], signals[-1]))
                     continue
-                t = [float(torch.as_tensor(m[1]["timestep"]).reshape(-1)[0]) for m in group]
+                t = [float(torch.as_tensor(m[1]["timestep"], dtype=DT).reshape(-1)[0]) for m in group]
                 alpha = alpha_of(t, config.alpha)
                 base = sum((1 - a) * sig for a, sig in zip(alpha, signals))
                 corr = sum(a * sig for a, sig in zip(alpha, signals))
@@ -397,7 +406,7 @@ def jagg_reference(model, calls, labels, steps, config, identical, row_args):
 def velocity_row(args, kwargs, r):
     """Velocity's arguments for row r of a call, by name (a 0-d timestep for every row)."""
     bound = dict(zip(("hidden_states", "timestep", "encoder_hidden_states"), args), **kwargs)
-    t = torch.as_tensor(bound["timestep"]).reshape(-1)
+    t = torch.as_tensor(bound["timestep"], dtype=DT).reshape(-1)   # a Python float's own float64 value
     return {"hidden_states": bound["hidden_states"][r:r + 1], "timestep": t[r if t.numel() > 1 else 0].reshape(1),
             "encoder_hidden_states": bound["encoder_hidden_states"][r:r + 1]}
 

@@ -19,21 +19,30 @@ USAGE = """usage: python -m jagg_patch.deferred [--jagg_* flags] SCRIPT [--jagg_
 Run a GRPO training script, unedited, with JAGG's deferred backward: the model its
 accelerator.prepare returns is a proxy that defers each update call's backward, folds the
 upstream gradients of W consecutive trained steps and replays the two endpoints before the
-script clips or steps (docs/deferred.md; Flow-GRPO's trainers: docs/flowgrpo.md). After `--`
-every argument is the script's. JAGG flags (defaults in parentheses; --jagg_backward and the
-monitor are not used here):
+script reads the gradient (its clip, its step; docs/deferred.md; Flow-GRPO's trainers:
+docs/flowgrpo.md). After `--` every argument is the script's. JAGG flags (defaults in
+parentheses; --jagg_backward, --jagg_deferred and the monitor's flags are refused here):
 JAGG_FLAGS
---jagg_mode exact runs the script as it is. Each flush's counts go to jagg_metrics.jsonl in
---jagg_metrics_dir (the working folder by default), one line per flush.
+--jagg_mode exact runs the script as it is. Each flush's counts go to jagg_metrics.jsonl, one
+line per flush, in --jagg_metrics_dir, else the folder the script names to accelerate
+(ProjectConfiguration's project_dir), else the working folder (the path is said); the run ends
+with one summary line.
 """
+# The flags of the restated update this launcher has no use for, and why (one line, exit 2, when given).
+UNUSED = {"--jagg_backward": "the endpoints are replayed in chunks of the loop's own call size, one backward each",
+          "--jagg_deferred": "it is the deferred update already",
+          "--jagg_monitor_samples": "it has no fidelity monitor",
+          "--jagg_min_cos": "it has no --jagg_frac auto"}
+HELP_FLAGS = ("-h", "--help", "--helpfull", "--helpshort", "--helpxml")
 
 
 def launcher_parser():
     from dancegrpo.utils.command_line import CommandParser
     from ..cli import add_jagg_args
     parser = add_jagg_args(CommandParser(prog="python -m jagg_patch.deferred", add_help=False))
-    parser.add_argument("--jagg_metrics_dir", default=".", metavar="DIR",
-                        help="Where jagg_metrics.jsonl (one line per flush) is written.")
+    parser.add_argument("--jagg_metrics_dir", default=None, metavar="DIR",
+                        help="Where jagg_metrics.jsonl (one line per flush) is written (default: the script's "
+                             "accelerate project_dir, else the working folder).")
     return parser
 
 
@@ -53,6 +62,14 @@ def check_script(path):
         fail(f"script {path!r} does not exist")
     if not path.endswith(".py"):
         fail(f"{path!r} is not a Python file; give the training script (a .py file)")
+
+
+def check_used(tokens):
+    """A flag of the restated update given here: one line, exit 2."""
+    from ..cli import fail
+    given = [t.split("=", 1)[0] for t in tokens if t.split("=", 1)[0] in UNUSED]
+    if given:
+        fail(f"jagg_patch.deferred has no use for {given[0]} ({UNUSED[given[0]]}): leave it out")
 
 
 def run_script(path, argv):
@@ -77,6 +94,7 @@ def main(argv=None):
     tokens, script, script_argv = split_launcher_argv(parser, argv, "the script", separator="--")
     jagg = parser.parse_args(tokens)
     check_script(script)
+    check_used(tokens)
     problem = deferred_refusal(jagg)
     if problem:
         fail(f"jagg_patch.deferred {problem}")
@@ -84,28 +102,38 @@ def main(argv=None):
     if config.mode == "exact":
         run_script(script, script_argv)
         return 0
-    require_writable(jagg.jagg_metrics_dir, "--jagg_metrics_dir")
-    from ..metrics_file import flush_lines   # torch and accelerate: once the command line is answered
+    if jagg.jagg_metrics_dir is not None:
+        require_writable(jagg.jagg_metrics_dir, "--jagg_metrics_dir")
+    return run_deferred(script, script_argv, config, jagg.jagg_metrics_dir)
+
+
+def run_deferred(script, script_argv, config, metrics_dir):
+    """SCRIPT with the proxy installed at accelerate's prepare; one summary line at its end (however it
+    ends but on an error of the proxy's, which is its one line, exit 1)."""
+    from dancegrpo.errors import say
+    from dancegrpo.utils.launch import print_on_rank0
+    from ..metrics_file import FlushLines   # torch and accelerate: once the command line is answered
     from .errors import DeferredError
     from .prepare import install_at_prepare
-    from .stats import flush_record
-    installed = install_at_prepare(config, on_flush=flush_lines(jagg.jagg_metrics_dir, os.path.basename(script),
-                                                                config, flush_record))
-    ended = False   # the script ran to its end (absl's app.run ends in SystemExit(None) / (0))
+    from .stats import flush_record, summary
+    lines = FlushLines(metrics_dir, os.path.basename(script), config, flush_record)
+    installed = install_at_prepare(config, on_flush=lines, on_prepare=lambda a: lines.place(a, print_on_rank0))
+    ended, failed = False, False   # the script ran to its end (absl's app.run ends in SystemExit(None) / (0))
     try:
         run_script(script, script_argv)
         ended = True
     except DeferredError as e:
-        from dancegrpo.errors import say
+        failed = True
         say(f"error: {e}")
         return 1
     except SystemExit as e:
         ended = e.code in (None, 0)
         raise
     finally:
-        installed.remove()
-        if ended and not installed.proxies:
-            from dancegrpo.utils.launch import print_on_rank0
+        installed.remove(flush=False)   # the script is over: rows it left pending were never stepped
+        if installed.proxies and not failed:
+            print_on_rank0(summary(lines.records) + f"; counts per flush in {os.path.abspath(lines.path)}", sys.stderr)
+        elif ended and not installed.proxies and not set(script_argv) & set(HELP_FLAGS):
             print_on_rank0("notice: the script prepared no model with trainable parameters through accelerate's "
                            "Accelerator.prepare: JAGG did nothing (see docs/deferred.md for a script that prepares "
                            "otherwise)", sys.stderr)

@@ -152,7 +152,9 @@ def row_timesteps(value, rows):
     """The timestep of each row as the model receives it, float64 [rows] on the host."""
     if value is None:
         raise DeferredError("the model was called without its timestep")
-    t = torch.as_tensor(value).detach().to("cpu", torch.float64).reshape(-1)
+    # A Python number keeps its float64 value (as_tensor alone would round it to float32 first).
+    t = (value.detach().to("cpu", torch.float64) if torch.is_tensor(value)
+         else torch.as_tensor(value, dtype=torch.float64)).reshape(-1)
     if t.numel() == 1:
         return t.expand(rows).clone()
     if t.numel() != rows:
@@ -236,6 +238,7 @@ class Call:
     autocast: tuple
     training: bool
     versions: dict = field(default_factory=dict)
+    trainable: frozenset = None   # the parameters (ids) that required grad at the call
     output: torch.Tensor = None
     leaf: torch.Tensor = None
     placements: list = None

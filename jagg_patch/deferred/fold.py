@@ -2,14 +2,16 @@
 in the rollout), cut into groups of W trained rows and routed by jagg_frac as the restated update
 routes them (jagg_patch.plan); each JAGG group's signals folded onto its two endpoints
 (jagg_patch.core), every other row with its own signal. Rows that could not be placed, rows of a
-trajectory trained twice in one flush and rows of exact groups are trained exactly."""
+trajectory trained twice in one flush, rows of exact groups and rows of a group whose calls had
+different parameters trainable (one frozen between them: no endpoint stands for both) are trained
+exactly."""
 from dataclasses import dataclass
 
 import torch
 
 from ..core import endpoint_weights, fold_signals, interpolation_weights
 from ..plan import plan_groups
-from .record import MODE_EXACT, ROUTED_EXACT, TRAINED_TWICE
+from .record import FROZEN, MODE_EXACT, ROUTED_EXACT, TRAINED_TWICE
 
 
 @dataclass
@@ -78,7 +80,9 @@ def plan_replay(rows, config, stats):
         members.sort(key=lambda m: m.entry.position)
         for group in plan_groups(range(len(members)), config.window, config.jagg_frac):
             chosen = [members[i] for i in group.members]
-            if group.jagg:
+            if group.jagg and len({m.call.trainable for m in chosen}) > 1:
+                exact += [(m, FROZEN) for m in chosen]
+            elif group.jagg:
                 replays += _group_replays(chosen, config, stats)
             else:
                 exact += [(m, ROUTED_EXACT) for m in chosen]

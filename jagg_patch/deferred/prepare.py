@@ -37,9 +37,11 @@ class Installed:
     optimizers: list = field(default_factory=list)
     undo: object = None
 
-    def remove(self):
+    def remove(self, flush=True):
+        """prepare and unwrap_model put back, each proxy closed (flushing what is pending unless flush=False:
+        a run stopping on an error)."""
         if self.undo is not None:
-            self.undo()
+            self.undo(flush)
             self.undo = None
 
     def _pair(self):
@@ -56,9 +58,10 @@ class Installed:
         self._attached = set()
 
 
-def install_at_prepare(config, on_flush=None, **options):
+def install_at_prepare(config, on_flush=None, on_prepare=None, **options):
     """Patch accelerate.Accelerator.prepare (see the module); `options` go to wrap, `on_flush` (a
-    callback fn(proxy, stats)) to each proxy's on_flush. Returns an Installed."""
+    callback fn(proxy, stats)) to each proxy's on_flush, `on_prepare(accelerator)` is called before a
+    proxy is made. Returns an Installed."""
     from accelerate import Accelerator
     original, original_unwrap = Accelerator.prepare, Accelerator.unwrap_model
     installed = Installed()
@@ -73,6 +76,8 @@ def install_at_prepare(config, on_flush=None, **options):
             if params is not None:
                 installed.optimizers.append((item, params))
             elif _trainable(item):
+                if on_prepare is not None:
+                    on_prepare(self)
                 proxy = wrap(item, config, **options)
                 if on_flush is not None:
                     proxy.on_flush.append(on_flush)
@@ -87,10 +92,10 @@ def install_at_prepare(config, on_flush=None, **options):
         inner = model.wrapped if any(model is proxy for proxy in installed.proxies) else model
         return original_unwrap(self, inner, *args, **kwargs)
 
-    def undo():
+    def undo(flush):
         Accelerator.prepare, Accelerator.unwrap_model = original, original_unwrap
         for proxy in installed.proxies:
-            proxy.close()
+            proxy.close(flush=flush)
 
     Accelerator.prepare, Accelerator.unwrap_model = prepare, unwrap_model
     installed.undo = undo

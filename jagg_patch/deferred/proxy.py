@@ -8,26 +8,26 @@ output as a fresh leaf, so the loop's own log-prob, clip, KL and scaling compute
 gradient s_j into the leaf's .grad when the loop calls backward. Before the parameters' gradient is
 read (a clip, the optimizer's step: jagg_patch.deferred.hooks) the proxy flushes: it places each row
 in its trajectory, cuts the groups, folds the signals onto the endpoints (jagg_patch.deferred.fold)
-and replays the endpoints with grad, the parameters being those of the calls
-(jagg_patch.deferred.replay).
+and replays the endpoints with grad, the parameters being those of the calls, each trained as it was
+at its call (a parameter frozen since still gets what its rows gave it, as in vanilla)
+(jagg_patch.deferred.replay). Whatever reads, clears or routes the parameters' gradient meanwhile meets
+jagg_patch.deferred.hooks first.
 """
-import contextlib
+import functools
 import time
+import weakref
 
 import torch
 
 from .calls import Call, CallShape, form_key, gather_rows, inner_model, output_form, split_output
 from .errors import DeferredError
 from .fold import pending_rows, plan_replay
-from .hooks import OptimizerHooks, patch_model_clip, register, unpatch_model_clip, unregister
+from .hooks import arm, calling, disarm, own_calls, real_optimizer, register, watch
 from .record import RolloutRecord, reuse_context
-from .replay import Replayer, guard, called_as, make_chunks
+from .replay import Replayer, guard, called_as, make_chunks, trainable_as
 from .stats import FlushStats
 
 _OWN = ("wrapped", "jagg_config", "stats", "on_flush")   # every other attribute is the model's (.config, .module)
-# Calls any proxy is making of its model right now: a forward hook of another proxy of the same model
-# leaves them to the proxy that makes them.
-_CALLING = [0]
 
 
 def check_config(config):
@@ -59,6 +59,9 @@ class DeferredModel:
     `close()`, `wrapped` (the model), `jagg_config`; every other attribute is the wrapped model's."""
 
     def __init__(self, model, config, *, timestep=None, latent=None, signature_of=None, replay_tolerance=None):
+        if isinstance(model, DeferredModel):
+            raise DeferredError("jagg_patch.deferred: the model is a deferred proxy already (wrap of a wrap): wrap the "
+                                "model once, and use that proxy wherever the loop calls it")
         check_config(config)
         refuse_mode_dependent(model)
         self.wrapped, self.jagg_config, self.stats, self.on_flush = model, config, [], []
@@ -70,9 +73,15 @@ class DeferredModel:
         self._pending, self._pending_keys, self._forms = [], set(), {}
         self._current, self._last_call, self._flushing = FlushStats(), None, False
         self._optimizers, self._versions = [], None
-        self._clips = patch_model_clip(model)
-        self._observer = inner_model(signature_of or model).register_forward_hook(self._observe, with_kwargs=True)
-        register(self)
+        self._writes, self._trainable_sets = set(), {}   # what the pending rows write to; each distinct trainable set
+        self._params = list(model.parameters())
+        self._owned = {id(p) for p in self._params}
+        inner = inner_model(signature_of or model)
+        observer = inner.register_forward_hook(functools.partial(_observe, weakref.ref(self), weakref.ref(inner)),
+                                               with_kwargs=True)
+        weakref.finalize(self, observer.remove)
+        self._finalizer = register(self, self._params)
+        self._closed = False
 
     # ------------------------------------------------------------ the model's attributes
     def __getattr__(self, name):
@@ -86,6 +95,8 @@ class DeferredModel:
 
     # ------------------------------------------------------------ calls
     def __call__(self, *args, **kwargs):
+        if self._closed:
+            return self.wrapped(*args, **kwargs)
         if not torch.is_grad_enabled():
             return self._pass_through(args, kwargs)
         try:
@@ -95,15 +106,10 @@ class DeferredModel:
         return self._defer(call, args, kwargs)
 
     def _pass_through(self, args, kwargs):
-        with self._own_call():
+        with own_calls():
             output = self._replayer.target(*args, **kwargs)
         self._record_call(args, kwargs, output)
         return output
-
-    def _observe(self, module, args, kwargs, output):
-        """A call of the model inside made past every proxy (the forward hook): recorded when without grad."""
-        if not _CALLING[0] and not torch.is_grad_enabled():
-            self._record_call(args, kwargs, output)
 
     def _record_call(self, args, kwargs, output):
         try:
@@ -115,19 +121,11 @@ class DeferredModel:
             self._current.rollout_rows += call.rows
         self._forms.setdefault(form_key(call), output_form(output))
 
-    @contextlib.contextmanager
-    def _own_call(self):
-        """The proxy's own calls of the model: not seen again by the forward hooks."""
-        _CALLING[0] += 1
-        try:
-            yield
-        finally:
-            _CALLING[0] -= 1
-
     def _defer(self, call, args, kwargs):
         self._record.in_update = True
         if not self._pending:
-            self._versions = self._parameter_versions()
+            self._start_pending()
+        call.trainable = self._trainable_now()
         call.placements = [self._record.place(key) for key in call.keys]
         tensor, rebuild = self._call_time_output(call, args, kwargs)
         call.output = tensor.detach()
@@ -156,7 +154,7 @@ class DeferredModel:
             forward_args, forward_kwargs = args, kwargs
         else:
             forward_args, forward_kwargs = call.bound(gather_rows([(call, missing)]))
-        with torch.no_grad(), self._own_call():
+        with torch.no_grad(), own_calls():
             output = self._replayer.target(*forward_args, **forward_kwargs)
         computed, rebuild = split_output(output)
         if len(missing) == call.rows:
@@ -181,11 +179,51 @@ class DeferredModel:
         return [e.output if e is not None and e.output is not None and e.context == reuse_context(call, r) else None
                 for r, (e, _) in enumerate(call.placements)]
 
+    # ------------------------------------------------------------ what the pending rows write to
+    def _start_pending(self):
+        """The first pending row since the last flush: the parameters as they are now (a model may have
+        been given others), their versions, and the hooks armed."""
+        self._params = list(self.wrapped.parameters())
+        self._owned = {id(p) for p in self._params}
+        watch(self._params)   # a parameter of a class not seen before gets the .grad hook too
+        self._versions = self._parameter_versions()
+        arm(self)
+
+    def _trainable_now(self):
+        """The parameters that require grad now (ids), one object per distinct set: each row is replayed
+        with the set it was called with."""
+        now = frozenset(id(p) for p in self._params if p.requires_grad)
+        known = self._trainable_sets.get(now)
+        if known is None:
+            known = self._trainable_sets[now] = now
+            self._writes |= now
+        return known
+
+    def writes_to(self, param):
+        return id(param) in self._writes
+
+    def pending_writes(self):
+        """The parameters (ids) the pending rows give gradient to at the flush."""
+        return self._writes
+
+    def pending_leaves(self):
+        """The outputs handed to the loop by the pending calls (their .grad is each row's signal)."""
+        return [call.leaf for call in self._pending]
+
+    def owns_any(self, ids):
+        return not self._owned.isdisjoint(ids)
+
+    def _clear_pending(self):
+        self._pending, self._pending_keys, self._writes, self._trainable_sets = [], set(), set(), {}
+        disarm(self)
+
     # ------------------------------------------------------------ the optimizer
     def attach(self, optimizer):
-        """Flush before `optimizer`'s every real step (a wrapper's: the optimizer it holds); its
-        zero_grad drops what is pending. Returns the proxy."""
-        self._optimizers.append(OptimizerHooks(optimizer, self))
+        """The optimizer that steps the model (a wrapper's: the optimizer it holds). Every torch
+        optimizer's step flushes first and makes the rollout's outputs stale, attached or not; an
+        attached one lets --jagg_reuse_rollout on_policy trust that no other update goes unseen.
+        Returns the proxy."""
+        self._optimizers.append(real_optimizer(optimizer))
         return self
 
     def note_step(self):
@@ -198,32 +236,37 @@ class DeferredModel:
         self._record.stale = False
 
     def drop_pending(self):
-        """What the loop's zero_grad would erase of vanilla's gradient: the rows not yet flushed."""
+        """What a zero_grad erases of vanilla's gradient: the rows not yet flushed (counted in the next
+        flush's rows_dropped, not in its rows deferred)."""
         if self._pending and not self._flushing:
-            self._pending, self._pending_keys = [], set()
+            dropped = sum(call.rows for call in self._pending)
+            self._clear_pending()
+            self._current = FlushStats(rollout_rows=self._current.rollout_rows,
+                                       rows_dropped=self._current.rows_dropped + dropped)
 
-    def close(self):
-        """Remove the hooks and patches; the proxy calls the model as it is from then on."""
-        for hooks in self._optimizers:
-            hooks.remove()
-        self._optimizers = []
-        unpatch_model_clip(self._clips)
-        self._clips = []
-        self._observer.remove()
-        unregister(self)
+    def close(self, flush=True):
+        """Flush what is pending (unless flush=False: a run stopping on an error), then remove the hooks;
+        the proxy calls the model as it is from then on. The patches go with the last live proxy."""
+        if flush and self._pending:
+            self.flush()
+        self._clear_pending()
+        self._closed = True
+        self._finalizer()
 
     # ------------------------------------------------------------ the flush
     def _parameter_versions(self):
-        # FSDP swaps its parameters' storage in every forward: its versions say nothing there.
+        # Every parameter, trainable or frozen (freezing does not change a version; a frozen weight loaded
+        # anew changes what the replay computes). FSDP swaps its parameters' storage in every forward: its
+        # versions say nothing there.
         if self._replayer.kind == "collective":
             return None
-        return sum(p._version for p in self.wrapped.parameters() if p.requires_grad)
+        return sum(p._version for p in self._params)
 
     def _check_parameters(self):
         if self._versions is not None and self._parameter_versions() != self._versions:
-            raise DeferredError("jagg_patch.deferred: the parameters changed between a deferred call and its flush (an "
-                                "optimizer step or an in-place update the proxy was not told of): attach the optimizer "
-                                "(proxy.attach(optimizer)) so that the proxy flushes before it steps")
+            raise DeferredError("jagg_patch.deferred: the model's weights changed in place between a deferred call and "
+                                "its flush, outside any torch optimizer's step (weights loaded, an EMA swapped in, a "
+                                "hand-written update): call proxy.flush() before changing them")
 
     def flush(self):
         """Place, fold and replay every pending row; returns this flush's FlushStats (None when no rank
@@ -231,6 +274,7 @@ class DeferredModel:
         if self._flushing or not self._replayer.most(len(self._pending)):
             return None
         self._flushing, started, stats = True, time.time(), self._current
+        disarm(self)   # the replay's own reads of .grad (FSDP's hooks) are not the loop's
         try:
             self._check_parameters()
             changed = sorted({n for call in self._pending for n in call.changed_arguments()})
@@ -246,7 +290,8 @@ class DeferredModel:
                                     "grad mode: its share of the collectives has no row to run")
             self._replayer.run(chunks, template, lambda chunk, target: self._run_chunk(chunk, target, stats), stats)
         finally:
-            self._pending, self._pending_keys, self._flushing = [], set(), False
+            self._clear_pending()
+            self._flushing = False
             stats.time_s = time.time() - started
             self._current = FlushStats()
         self.stats.append(stats)
@@ -262,12 +307,23 @@ class DeferredModel:
     def _run_chunk(self, chunk, target, stats):
         call = chunk.parts[0][0]
         args, kwargs = call.bound(chunk.arguments())
-        with called_as(call, self._mode_module, self.wrapped), self._own_call():
-            tensor, _ = split_output(target(*args, **kwargs))
-        guard(chunk, tensor, stats, self._tolerance)
-        torch.autograd.backward([tensor], [chunk.signals.to(tensor.dtype)])
+        # requires_grad as at the call through the backward too: AccumulateGrad skips a parameter that does not
+        with trainable_as(call.trainable, self._params), own_calls():
+            with called_as(call, self._mode_module, self.wrapped):
+                tensor, _ = split_output(target(*args, **kwargs))
+            guard(chunk, tensor, stats, self._tolerance)
+            torch.autograd.backward([tensor], [chunk.signals.to(tensor.dtype)])
         stats.forwards_grad += chunk.rows
         stats.backward_calls += 1
+
+
+def _observe(ref, inner, module, args, kwargs, output):
+    """A call of the model inside made past every proxy (the forward hook): recorded when without grad.
+    It holds the proxy weakly (a model outliving its proxy does not keep it alive) and records calls of
+    that model only (a deepcopy of the model carries the hook: its calls are another model's)."""
+    proxy = ref()
+    if proxy is not None and module is inner() and not calling() and not torch.is_grad_enabled():
+        proxy._record_call(args, kwargs, output)
 
 
 def wrap(model, config, **options):

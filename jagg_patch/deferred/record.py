@@ -27,7 +27,8 @@ IDENTICAL = "identical rows"
 TRAINED_TWICE = "trained twice"
 ROUTED_EXACT = "routed exact"
 MODE_EXACT = "mode exact"
-REASONS = (NO_RECORD, IDENTICAL, TRAINED_TWICE, ROUTED_EXACT, MODE_EXACT)
+FROZEN = "requires_grad changed"   # a group whose rows were called with different parameters trainable
+REASONS = (NO_RECORD, IDENTICAL, TRAINED_TWICE, ROUTED_EXACT, MODE_EXACT, FROZEN)
 
 
 @dataclass

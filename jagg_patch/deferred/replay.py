@@ -46,12 +46,13 @@ class Chunk:
 
 
 def make_chunks(replays, max_rows):
-    """Chunks of at most max_rows rows, rows of alike calls (calls.Call.shared_key) together, in the
-    order the rows came; the rows of calls that cannot be cut replay their whole call."""
+    """Chunks of at most max_rows rows, rows of alike calls (calls.Call.shared_key, and the same
+    parameters trainable) together, in the order the rows came; the rows of calls that cannot be cut
+    replay their whole call."""
     whole, groups = {}, {}
     for replay in replays:
         if replay.call.splittable:
-            groups.setdefault(replay.call.shared_key(), []).append(replay)
+            groups.setdefault((replay.call.shared_key(), replay.call.trainable), []).append(replay)
         else:
             whole.setdefault(id(replay.call), []).append(replay)
     chunks = []
@@ -103,6 +104,20 @@ def called_as(call, mode_module, model):
                 model.train(before)
 
 
+@contextlib.contextmanager
+def trainable_as(trainable, params):
+    """The parameters whose ids are in `trainable` require grad, the others not, as at the rows' call
+    (a parameter frozen since the call still gets its gradient, as vanilla's backward gave it then)."""
+    changed = [p for p in params if p.requires_grad != (id(p) in trainable)]
+    for p in changed:
+        p.requires_grad_(not p.requires_grad)
+    try:
+        yield
+    finally:
+        for p in changed:
+            p.requires_grad_(not p.requires_grad)
+
+
 def precision(call, output):
     """The dtype the rows were computed in: the autocast's where it was on for the output's device."""
     for device, enabled, dtype in call.autocast:
@@ -134,14 +149,23 @@ def _kind(model):
     from torch.nn.parallel import DistributedDataParallel
     if isinstance(model, DistributedDataParallel):
         return "ddp"
-    try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    except ImportError:   # a torch without FSDP2
-        from torch.distributed.fsdp import FullyShardedDataParallel
-        FSDPModule = FullyShardedDataParallel
-    if any(isinstance(m, (FullyShardedDataParallel, FSDPModule)) for m in model.modules()):
+    if any(isinstance(m, fsdp_classes()) for m in model.modules()):
         return "collective"
     return "plain"
+
+
+def fsdp_classes():
+    """FSDP1's class and FSDP2's (torch.distributed.fsdp.FSDPModule; before torch 2.6 it lived in
+    torch.distributed._composable.fsdp)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    classes = [FullyShardedDataParallel]
+    for where in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            classes.append(getattr(__import__(where, fromlist=["FSDPModule"]), "FSDPModule"))
+            break
+        except (ImportError, AttributeError):
+            continue
+    return tuple(classes)
 
 
 def refuse_unsupported(model):
@@ -160,6 +184,7 @@ class Replayer:
         refuse_unsupported(model)
         self.model, self.kind = model, _kind(model)
         self.target = model.module if self.kind == "ddp" else model
+        self.collectives = 0   # this rank's count of the proxy's collectives: every rank must make the same
 
     @property
     def distributed(self):
@@ -171,13 +196,20 @@ class Replayer:
         return param.device if param is not None else torch.device("cpu")
 
     def most(self, value):
-        """`value` (an integer) maxed over the ranks where the engine is distributed."""
+        """`value` (an integer) maxed over the ranks where the engine is distributed. Each rank also sends
+        how many of these it made: ranks that reached it from different places (a gradient read on one
+        rank alone flushed there) stop in one line instead of pairing another rank's collectives."""
         if not self.distributed:
             return value
         import torch.distributed as dist
-        t = torch.tensor([value], dtype=torch.int64, device=self.device())
+        self.collectives += 1
+        t = torch.tensor([value, self.collectives, -self.collectives], dtype=torch.int64, device=self.device())
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
+        if int(t[1]) != -int(t[2]):
+            raise DeferredError(f"jagg_patch.deferred: the ranks flushed at different points ({-int(t[2])} and "
+                                f"{int(t[1])} flushes so far): a gradient read (.grad, a clip) on some ranks only "
+                                "flushes there alone; read it on every rank, or call proxy.flush() on every rank first")
+        return int(t[0])
 
     def agreed(self, flag):
         """True on every rank only where it is true on every rank (collective engines: a call-time

@@ -13,6 +13,7 @@ LARGEST = ("max_replay_diff", "replay_bound", "time_s")
 class FlushStats:
     calls: int = 0              # the loop's calls in grad mode since the last flush
     rows_deferred: int = 0      # their rows
+    rows_dropped: int = 0       # rows of calls before a zero_grad that erased them (as it erases vanilla's gradient)
     rollout_rows: int = 0       # rows of calls without grad recorded as rollout steps
     forwards_nograd: int = 0    # rows forwarded without grad when the loop called
     forwards_reused: int = 0    # rows whose call-time output was the rollout's own
@@ -85,3 +86,23 @@ def flush_record(stats, device):
     record = {**total.as_dict(), "jagg_groups": total.jagg_groups, "exact_groups": total.exact_groups,
               "transformer_forwards_reused": total.forwards_reused}
     return over_ranks(record, device)
+
+
+def summary(records):
+    """One line for a run's flushes: `records` are flush_record()'s (summed over the ranks). Vanilla runs
+    one backward per call the loop makes in grad mode, of the call's rows; the deferred update runs the
+    replayed chunks' backwards."""
+    total = {}
+    for record in records:
+        for name, value in record.items():
+            if name.startswith("deferred_") and not name.endswith(LARGEST):
+                total[name] = total.get(name, 0) + value
+    get = lambda name: int(total.get(f"deferred_{name}", 0))   # noqa: E731
+    exact = [(why, get(f"exact/{why.replace(' ', '_')}")) for why in REASONS]
+    exact_text = ", ".join(f"{why} {n}" for why, n in exact if n) or "none"
+    calls, backwards, rows, replayed = get("calls"), get("backward_calls"), get("rows_deferred"), get("forwards_grad")
+    saved = f"{calls - backwards} backwards saved ({backwards} for vanilla's {calls})" if calls else "no backward"
+    return (f"jagg_patch.deferred: {len(records)} flush{'' if len(records) == 1 else 'es'}, {rows} rows deferred in {calls} calls; trained exactly: "
+            f"{exact_text}; {replayed} rows replayed with grad in {backwards} backwards, where vanilla backpropagates "
+            f"{rows} rows in {calls}: {saved}" + (f"; {get('rows_dropped')} rows dropped by zero_grad"
+                                                  if get("rows_dropped") else ""))

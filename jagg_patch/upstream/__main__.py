@@ -13,13 +13,13 @@ import sys
 
 from dancegrpo.errors import exit_on_config_error, say
 from dancegrpo.utils.command_line import CommandParser
-from dancegrpo.utils.launch import launch_rank
+from dancegrpo.utils.launch import launch_rank, print_on_rank0
 
 from ..cli import (add_jagg_args, check_trajectory, fail, flags_text, jagg_config, jagg_plan_text, monitor_for_auto,
                    require_writable, split_launcher_argv)
 from ..settings import resolve_backward
 from .fingerprint import UpstreamChanged, UpstreamUnsupported, describe_fingerprint, file_kind, fingerprint
-from .loader import load_trainer, run_main_block
+from .loader import has_main_block, load_trainer, run_main_block
 
 USAGE = """usage: python -m jagg_patch.upstream [--jagg_* flags] TRAINER.py [upstream's flags]
        torchrun --nproc_per_node=N -m jagg_patch.upstream [--jagg_* flags] fastvideo/train_grpo_flux.py ...
@@ -173,6 +173,15 @@ def choose_backward(rules, upstream_args, jagg, rows):
         print(f"notice: --jagg_backward auto runs split here, not batched: {refused.split(': ', 1)[-1]}", flush=True)
 
 
+def require_main_block(module, script):
+    """The adapter runs the file as upstream is run, through its __main__ block (it parses the flags and
+    calls main): one line, exit 2, for a file without one."""
+    if not has_main_block(module):
+        fail(f"{script} has no `if __name__ == \"__main__\":` block: jagg_patch.upstream runs a trainer file "
+             "through it, as `python FILE` does (upstream's trainers parse their flags there); give upstream's "
+             "trainer file, or call jagg_patch.upstream.apply(module) from your own entry point")
+
+
 def load_or_fail(script):
     """load_trainer, or one line and exit 2 for a file that is not one to load."""
     try:
@@ -199,6 +208,8 @@ def main(argv=None):
     if kind == "prepare":
         return run_prepared(script, config, upstream_argv)
     module = load_or_fail(script)
+    if not jagg.jagg_fingerprint:
+        require_main_block(module, script)
     from ..deferred import DeferredError
     from .patch import apply   # the update (torch): once the command line and the file are checked
     try:
@@ -209,7 +220,10 @@ def main(argv=None):
                        deferred=jagg.jagg_deferred)
     except (ValueError, UpstreamChanged, UpstreamUnsupported, DeferredError) as e:
         fail(str(e))
-    upstream_main = module.main
+    upstream_main = getattr(module, "main", None)
+    if not callable(upstream_main):
+        fail(f"{script} defines no main(args), which upstream's `__main__` block calls and the adapter checks the "
+             "flags in before it runs; give upstream's trainer file")
     trainer, update = module.train_one_step.jagg_trainer, module.train_one_step.jagg_update
 
     def checked_main(args):
@@ -246,17 +260,21 @@ def run_prepared(script, config, upstream_argv):
     model accelerate prepares behind the deferred proxy (--jagg_mode exact: untouched); every flush's
     counts go to ./jagg_metrics.jsonl in the working folder, beside upstream's ./reward.txt."""
     module = load_or_fail(script)
+    require_main_block(module, script)
     if config.mode == "exact":
         run_main_block(module, upstream_argv)
         return 0
     from ..deferred.prepare import install_at_prepare
-    from ..deferred.stats import flush_record
-    from ..metrics_file import flush_lines
-    installed = install_at_prepare(config, on_flush=flush_lines(".", os.path.basename(script), config, flush_record))
+    from ..deferred.stats import flush_record, summary
+    from ..metrics_file import FlushLines
+    lines = FlushLines(".", os.path.basename(script), config, flush_record)
+    installed = install_at_prepare(config, on_flush=lines, on_prepare=lambda a: lines.place(a, print_on_rank0))
     try:
         run_deferred_errors(lambda: run_main_block(module, upstream_argv))
     finally:
-        installed.remove()
+        installed.remove(flush=False)   # the run is over: rows it left pending were never stepped
+    if installed.proxies:
+        print_on_rank0(summary(lines.records) + f"; counts per flush in {os.path.abspath(lines.path)}", sys.stderr)
     return 0
 
 

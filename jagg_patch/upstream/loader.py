@@ -98,6 +98,10 @@ def load_trainer(path):
     return module
 
 
+def has_main_block(module):
+    return _MAIN_BLOCKS.get(module.__name__) is not None
+
+
 def run_main_block(module, argv):
     """Run the file's __main__ block in the module's namespace with sys.argv = [file, *argv]."""
     code = _MAIN_BLOCKS.get(module.__name__)

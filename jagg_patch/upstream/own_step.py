@@ -39,22 +39,24 @@ def _optimizer(value):
     return isinstance(value, torch.optim.Optimizer)
 
 
-def find_arguments(arguments, file):
-    """(the model's argument name, the optimizer's): by upstream's names, else the one argument of each
-    kind (a release whose parameter names are not known); one line where it cannot tell."""
+def find_arguments(arguments, file, optimizer=True):
+    """(the model's argument name, the optimizer's or None): by upstream's names, else the one argument of
+    each kind (a release whose parameter names are not known); one line where it cannot tell. optimizer:
+    whether one is looked for (the deferred proxy attaches to it; the step as it is needs none)."""
     found = []
-    for name, test, what in ((MODEL_ARGUMENT, _trainable_module, "a model with trainable parameters"),
-                             (OPTIMIZER_ARGUMENT, _optimizer, "a torch optimizer")):
+    kinds = ((MODEL_ARGUMENT, _trainable_module, "a model with trainable parameters"),
+             (OPTIMIZER_ARGUMENT, _optimizer, "a torch optimizer"))
+    for name, test, what in kinds[:2 if optimizer else 1]:
         if test(arguments.get(name)):
             found.append(name)
             continue
-        kinds = [n for n, v in arguments.items() if test(v)]
-        if len(kinds) != 1:
-            raise UpstreamUnsupported(f"{os.path.basename(file)}: train_one_step got {len(kinds)} arguments that are "
-                                      f"{what} ({kinds}) and none named {name!r}: jagg_patch.upstream cannot tell "
-                                      "which one to run through the deferred proxy")
-        found.append(kinds[0])
-    return found
+        matching = [n for n, v in arguments.items() if test(v)]
+        if len(matching) != 1:
+            raise UpstreamUnsupported(f"{os.path.basename(file)}: train_one_step got {len(matching)} arguments that "
+                                      f"are {what} ({matching}) and none named {name!r}: jagg_patch.upstream cannot "
+                                      "tell which one to run through the deferred proxy")
+        found.append(matching[0])
+    return found if optimizer else [*found, None]
 
 
 class RewardLines:
@@ -95,7 +97,7 @@ def own_train_one_step(trainer, config, original, deferred):
 
     def train_one_step(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        model_name, optimizer_name = find_arguments(bound.arguments, trainer.file)
+        model_name, optimizer_name = find_arguments(bound.arguments, trainer.file, optimizer=deferred)
         model, run_args = bound.arguments[model_name], bound.arguments.get("args")
         proxy = None
         if deferred:

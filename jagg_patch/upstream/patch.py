@@ -76,7 +76,7 @@ def apply(module, config=None, *, allow_upstream_changes=False, releases=None, d
     if not restated and (config.mode == "exact" or deferred or trainer.unknown):
         if config.mode != "exact":
             check_config(config)
-            if trainer.unknown and not deferred:
+            if trainer.unknown and not deferred and module.__name__ not in _ORIGINALS:   # said once, not again
                 print_on_rank0(f"notice: {os.path.basename(trainer.file)}: train_one_step is {trainer.unknown}: it "
                                "runs as it is, its own code, with the backward deferred (jagg_patch.deferred, "
                                "docs/deferred.md), never the restated step")

@@ -34,7 +34,14 @@ class FastvideoVideoUpstream(UpstreamFamily):
     plan_note = INTEGER_ALPHA_NOTE.format(model="the HunyuanVideo")
     output_bytes = staticmethod(video_output_bytes)
     read_flags = ("use_group", "num_generations", "train_batch_size", "gradient_accumulation_steps",
-                  "sampling_steps", "timestep_fraction", "h", "w", "t")
+                  "sampling_steps", "timestep_fraction", "h", "w", "t", "use_videoalign")
+
+    @staticmethod
+    def check_flags(args):
+        if not args.use_videoalign:
+            raise ValueError("upstream's video trainers score a sample only with --use_videoalign (VideoAlign): "
+                             "without it the rollout collects no reward and ends in torch.cat of an empty list; add "
+                             "--use_videoalign")
 
     @staticmethod
     def prompts(named):
@@ -93,6 +100,7 @@ class HunyuanVideoUpstream(FastvideoVideoUpstream):
 
     @staticmethod
     def check_flags(args):
+        FastvideoVideoUpstream.check_flags(args)
         if args.bestofn < 1:
             raise ValueError(f"--bestofn must be at least 1, got {args.bestofn}")
 

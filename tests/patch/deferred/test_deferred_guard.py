@@ -79,7 +79,7 @@ def test_parameters_moved_without_a_flush_stop_the_run(proxies):
     one_call(proxy)
     with torch.no_grad():
         model.w_out.add_(0.01)
-    with pytest.raises(DeferredError, match="parameters changed between a deferred call and its flush.*attach"):
+    with pytest.raises(DeferredError, match="weights changed in place between a deferred call and its flush.*proxy.flush"):
         proxy.flush()
 
 
@@ -221,9 +221,29 @@ def test_install_at_prepare_wraps_the_model_and_attaches_its_optimizer_once():
         proxy, wrapped, prepared_scheduler = Accelerator(cpu=True).prepare(model, optimizer, scheduler)
         assert isinstance(proxy, deferred.DeferredModel) and proxy.wrapped is model
         assert not isinstance(prepared_scheduler, deferred.DeferredModel) and installed.proxies == [proxy]
-        assert len(proxy._optimizers) == 1 and proxy._optimizers[0].optimizer is optimizer
+        assert proxy._optimizers == [optimizer]
         # a script saves through accelerate's unwrap: it gets the model, not the proxy (which it got before)
         assert Accelerator(cpu=True).unwrap_model(proxy) is model
     finally:
         installed.remove()
     assert Accelerator.unwrap_model(Accelerator(cpu=True), model) is model   # put back
+
+
+def test_an_fsdp2_model_is_told_apart_where_fsdp2_lives_in_composable(monkeypatch):
+    """torch 2.5 keeps FSDP2's FSDPModule in torch.distributed._composable.fsdp only: a model holding one
+    is still replayed as a sharded model (every rank runs as many chunks), not as a plain one."""
+    import types
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from jagg_patch.deferred.replay import _kind
+
+    class FSDPModule:   # stands for torch 2.5's class
+        pass
+
+    fsdp = types.ModuleType("torch.distributed.fsdp")
+    fsdp.FullyShardedDataParallel = FullyShardedDataParallel   # no FSDPModule there
+    composable = types.ModuleType("torch.distributed._composable.fsdp")
+    composable.FSDPModule = FSDPModule
+    monkeypatch.setitem(sys.modules, "torch.distributed.fsdp", fsdp)
+    monkeypatch.setitem(sys.modules, "torch.distributed._composable.fsdp", composable)
+    assert _kind(type("Sharded", (Velocity, FSDPModule), {})()) == "collective"
+    assert _kind(Velocity()) == "plain"

@@ -3,6 +3,7 @@ gives the restated update's gradient (float64, to 1e-12) for W 2-8, jagg_frac 0.
 rules, reuse off / on, micro-batches of 1 and more, accumulation over micro-batches; end to end
 through the launcher the same records; and the flags it cannot run with are refused in one line."""
 import os
+import sys
 
 import pytest
 import torch
@@ -112,7 +113,12 @@ def test_shared_initial_noise_trains_the_first_step_exactly(make_args):
     (["--jagg_grouping", "window"], "use --jagg_grouping trained"),
     (["--jagg_frac", "auto"], "no fidelity monitor"),
     (["--jagg_monitor_every", "2"], "no fidelity monitor")])
-def test_flags_deferred_cannot_run_with_are_one_line(cache_dir, tmp_path, capsys, flags, message):
+@pytest.mark.parametrize("deepspeed_installed", [True, False], ids=["deepspeed", "no-deepspeed"])
+def test_flags_deferred_cannot_run_with_are_one_line(cache_dir, tmp_path, capsys, monkeypatch, flags, message,
+                                                     deepspeed_installed):
+    """Refused whatever the environment: without DeepSpeed the combination is refused, not an install asked for."""
+    if not deepspeed_installed:
+        monkeypatch.setitem(sys.modules, "deepspeed", None)   # `import deepspeed` raises ImportError
     assert run_main("jagg_patch", "dancegrpo.train_grpo_flux", "--preset", "tiny", "--cache_dir", cache_dir,
                     "--output_dir", tmp_path, "--jagg_deferred", *flags) == 2
     err = capsys.readouterr().err

@@ -145,3 +145,78 @@ def test_the_launcher_runs_the_files_own_step_deferred(cache_dir, tmp_path):
     rewards = [float(x) for x in (tmp_path / "reward.txt").read_text().split()]
     assert [r["update"] for r in records] == ["deferred"] * 2 and [r["reward_mean"] for r in records] == rewards
     assert all(r["deferred_jagg_groups"] == B and r["transformer_backwards"] == 2 * B for r in records)
+
+
+def test_the_notice_of_an_unknown_release_is_said_once(cache_dir, tmp_path, capsys):
+    """The launcher applies again when its preflight narrows a setting (the window, the monitor's
+    samples): the notice that the file runs its own step is said at the first apply only."""
+    path = write_changed(tmp_path, "hunyuan", "adv_clip_max = 5.0", "adv_clip_max = 0.1")
+    standin = Standin("hunyuan", cache_dir, tmp_path, path=path)
+    capsys.readouterr()
+    try:
+        apply(standin.module, window=4, jagg_frac=1.0)
+        apply(standin.module, window=3, jagg_frac=1.0)
+    finally:
+        revert(standin.module)
+    said = [line for line in capsys.readouterr().out.splitlines() if "no release jagg_patch.upstream knows" in line]
+    assert len(said) == 1
+
+
+class Stepper:
+    """An optimizer of the loop's own making (no torch optimizer, holding none as .optimizer)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def step(self):
+        self._inner.step()
+
+    def zero_grad(self, set_to_none=True):
+        self._inner.zero_grad(set_to_none=set_to_none)
+
+
+def test_exact_mode_runs_the_files_own_step_with_an_optimizer_of_any_kind(cache_dir, tmp_path):
+    """--jagg_mode exact leaves the step as it is and hooks no optimizer: one that is no torch optimizer
+    runs as without the adapter, weights for weights."""
+    standin = Standin("flux", cache_dir, tmp_path)
+
+    def weights_after():
+        torch.manual_seed(7)
+        standin.transformer.load_state_dict(standin.initial)
+        standin.transformer.zero_grad(set_to_none=True)
+        optimizer = torch.optim.AdamW(standin.trainable(), lr=1e-3)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        standin.module.train_one_step(*standin.arguments(Stepper(optimizer), scheduler))
+        return torch.cat([p.detach().reshape(-1).clone() for p in standin.trainable()])
+
+    own = weights_after()
+    apply(standin.module, mode="exact")
+    try:
+        exact = weights_after()
+    finally:
+        revert(standin.module)
+    assert torch.equal(own, exact) and not torch.equal(own, torch.cat([v.reshape(-1) for v in standin.initial.values()]))
+
+
+def test_a_file_without_a_main_block_is_one_line(tmp_path, capsys):
+    from jagg_patch.upstream.__main__ import main
+    path = write_changed(tmp_path, "flux", 'if __name__ == "__main__":', "def not_a_main_block():")
+    with pytest.raises(SystemExit) as stop:
+        main(["--jagg_window", "3", path, "--use_group"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and 'has no `if __name__ == "__main__":` block' in err
+
+
+@pytest.mark.parametrize("key", ["hunyuan", "skyreels"])
+def test_a_video_trainer_without_videoalign_is_refused_before_its_rollout(key, cache_dir, tmp_path, capsys):
+    """Upstream's video trainers append a reward only with --use_videoalign: without it their rollout ends
+    in torch.cat of an empty list, so the preflight says so first."""
+    import copy
+    from jagg_patch.upstream.__main__ import jagg_parser, preflight
+    standin = Standin(key, cache_dir, tmp_path, *(["--cfg_infer", "3.0"] if key == "skyreels" else []))
+    args = copy.copy(standin.args)
+    args.use_videoalign = False
+    with pytest.raises(SystemExit) as stop:
+        preflight(args, jagg_parser().parse_args([]), {"skyreels": "skyreels_i2v"}.get(key, key))
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 2 and len(err.splitlines()) == 1 and "add --use_videoalign" in err

@@ -162,7 +162,7 @@ def test_the_launcher_plans_video_in_mib_and_turns_auto_to_split_where_batched_c
     # upstream's HunyuanVideo recipe: 480 x 480 x 53 frames, S 16, 24 generations, best of 8, GA 4; no --clip_range
     hunyuan = argparse.Namespace(use_group=True, train_batch_size=1, num_generations=24, gradient_accumulation_steps=4,
                                  sampling_steps=16, timestep_fraction=0.6, h=480, w=480, t=53, bestofn=8, vq_coef=1.0,
-                                 mq_coef=0.0)
+                                 mq_coef=0.0, use_videoalign=True)
     preflight(hunyuan, jagg_parser().parse_args([]), "hunyuan")
     plan = capsys.readouterr().out
     latent_bytes = 16 * 16 * 14 * 60 * 60 * 4   # S x 16 channels x 14 latent frames x 60 x 60, float32 on CPU
@@ -174,7 +174,8 @@ def test_the_launcher_plans_video_in_mib_and_turns_auto_to_split_where_batched_c
     from jagg_patch.settings import resolve_backward
     monkeypatch.setattr(launcher, "resolve_backward", lambda backward: resolve_backward(backward, world_size=2))
     skyreels = argparse.Namespace(use_group=True, train_batch_size=1, num_generations=8, gradient_accumulation_steps=8,
-                                  sampling_steps=16, timestep_fraction=0.6, h=400, w=640, t=53, cfg_infer=5.0)
+                                  sampling_steps=16, timestep_fraction=0.6, h=400, w=640, t=53, cfg_infer=5.0,
+                                  use_videoalign=True)
     jagg = jagg_parser().parse_args([])
     preflight(skyreels, jagg, "skyreels_i2v")
     out = capsys.readouterr().out
@@ -191,7 +192,8 @@ def test_hunyuan_flags_that_train_nothing_are_named_at_the_preflight(capsys):
     import argparse
     from jagg_patch.upstream.__main__ import jagg_parser, preflight
     flags = dict(use_group=True, train_batch_size=1, num_generations=4, gradient_accumulation_steps=2,
-                 sampling_steps=8, timestep_fraction=0.6, h=64, w=64, t=1, bestofn=0, vq_coef=1.0, mq_coef=0.0)
+                 sampling_steps=8, timestep_fraction=0.6, h=64, w=64, t=1, bestofn=0, vq_coef=1.0, mq_coef=0.0,
+                 use_videoalign=True)
     with pytest.raises(SystemExit) as stop:
         preflight(argparse.Namespace(**flags), jagg_parser().parse_args([]), "hunyuan")
     err = capsys.readouterr().err
