@@ -53,10 +53,26 @@ def _work_unit(item):
     return None
 
 
+def _dist_spec(item):
+    return item.callspec.params.get("dist_result") if hasattr(item, "callspec") else None
+
+
+def _skipped(item):
+    """Whether a skip mark (or a skipif whose condition is true) leaves the test out: its two-rank check
+    is then left out of the launch."""
+    return bool(item.get_closest_marker("skip")) or any(m.args and m.args[0] is True
+                                                        for m in item.iter_markers("skipif"))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    from helpers import missing_cpu_fsdp2
+    no_fsdp2 = missing_cpu_fsdp2()
     units = {}
     for item in items:
+        spec = _dist_spec(item)
+        if no_fsdp2 and spec is not None and "fsdp2" in spec[2]:
+            item.add_marker(pytest.mark.skip(reason=no_fsdp2))   # and left out of the two-rank launch
         unit = _work_unit(item)
         if unit is not None:
             item.add_marker(pytest.mark.xdist_group(unit))
@@ -125,8 +141,8 @@ def dist_checks(request, cache_dir, tmp_path_factory):
     from helpers import DistChecks
     specs = {}
     for item in request.session.items:
-        spec = item.callspec.params.get("dist_result") if hasattr(item, "callspec") else None
-        if spec is not None:
+        spec = _dist_spec(item)
+        if spec is not None and not _skipped(item):
             name = spec[0]
             assert specs.setdefault(name, spec) == spec, f"two different two-rank checks are named {name}"
     return DistChecks(list(specs.values()), cache_dir, tmp_path_factory.mktemp("dist_checks"))

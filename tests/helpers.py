@@ -274,3 +274,24 @@ def run_mains(runs, folder, env=None):
         results[name] = (None if code is None else int(code), read(log + ".out") or "",
                          (read(log + ".err") or "") + ("" if code is not None else proc.stderr[-3000:]))
     return results
+
+
+# ---------------------------------------------------------------- what a user's older environment lacks
+
+def missing_diffusers_class(name):
+    """Why a test that builds diffusers' `name` cannot run here (None: it can): an older diffusers
+    (a user's environment) lacks it."""
+    import diffusers
+    try:
+        getattr(diffusers, name)
+        return None
+    except (AttributeError, ImportError):
+        return f"needs diffusers' {name}, which diffusers {diffusers.__version__} lacks"
+
+
+def missing_cpu_fsdp2():
+    """Why FSDP2 cannot run on this torch's CPU (None: it can): before torch.cpu.Stream had record_event
+    (torch 2.6 lacks it), fully_shard's all-gather fails on a CPU stream."""
+    if not hasattr(torch.cpu.Stream, "record_event"):
+        return f"FSDP2 on CPU needs torch.cpu.Stream.record_event, which torch {torch.__version__} lacks"
+    return None

@@ -132,12 +132,13 @@ def _reaches(tensors, leaves):
     stack = [t.grad_fn for t in tensors if torch.is_tensor(t)]
     if any(torch.is_tensor(t) and id(t) in targets for t in tensors):
         return True
-    seen = set()
-    while stack:
+    seen, alive = set(), []   # the visited nodes kept alive: a node's Python object may be made anew on each
+    while stack:              # access and a freed one's id reused, so an id alone would skip a live node
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
+        alive.append(node)
         if id(getattr(node, "variable", None)) in targets:
             return True
         stack.extend(next_node for next_node, _ in node.next_functions)

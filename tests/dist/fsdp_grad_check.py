@@ -6,7 +6,12 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as FSDP
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:   # torch 2.5 keeps FSDP2 in torch.distributed._composable.fsdp
+    from torch.distributed._composable.fsdp import FSDPModule
 
 from dancegrpo import train_grpo_flux, trainer
 from dancegrpo.args import parse_args

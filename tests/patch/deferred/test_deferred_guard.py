@@ -121,8 +121,8 @@ def test_a_model_clip_method_flushes_first(proxies):
         def forward(self, *args, **kwargs):
             return self.module(*args, **kwargs)
 
-        def clip_grad_norm_(self, max_norm):
-            return torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None])
+        def clip_grad_norm_(self, max_norm):   # the norm only, by hand (torch's get_total_norm needs torch >= 2.6)
+            return torch.sqrt(sum((p.grad ** 2).sum() for p in self.parameters() if p.grad is not None))
 
     model = WithClip()
     proxy = deferred.wrap(model, JaggConfig(mode="exact"))

@@ -75,6 +75,8 @@ def test_deferred_counts_are_the_restated_ones(make_args):
 def test_launcher_runs_deferred_as_the_restated_update(make_args, cache_dir, tmp_path, capsys):
     """`python -m jagg_patch ... --jagg_deferred`: one step's gradient and record as the restated
     update's (float32: equal to rounding), the proxy's counts in the record."""
+    pytest.importorskip("matplotlib", reason="the trainer draws its reward curve with matplotlib, which an install "
+                                             "with --no-deps lacks")
     flags = ["--jagg_window", "4", "--jagg_frac", "1", "--no-init_same_noise"]
     from jagg_patch import apply_jagg
     import dancegrpo.train_grpo_flux as flux
