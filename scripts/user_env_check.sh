@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The deferred proxy's and the upstream adapter's tests in the environment a user already has: a fresh
+# The deferred proxy's and the upstream adapter's tests, both tiers, in the environment a user has: a fresh
 # venv with Flow-GRPO's pins (flowgrpo) or DanceGRPO's (dancegrpo), this project added with
 # `pip install --no-deps -e .` as docs/flowgrpo.md says, plus the test runner. Tests that need a newer
 # library than the environment holds skip, each with its reason.
@@ -7,8 +7,8 @@
 #   scripts/user_env_check.sh flowgrpo|dancegrpo [VENV_FOLDER]   (default: /tmp/jagg-env-<name>)
 #
 # PyPI's torch wheels for Linux are CUDA builds (they run on a CPU, but import only beside their nvidia-*
-# packages): about 3.5 GB of downloads and 5.5 GB in the venv, 2.5-3.5 min to build on a 2-core machine.
-# A venv already built is reused. Last results: docs/deferred.md ("In the environments users have").
+# packages): about 3.5 GB of downloads and 5.5 GB in the venv, 2.5-3.5 min to build on a 2-core machine;
+# the tests take about 5.5 min. A venv already built is reused. Last results: docs/deferred.md ("In the environments users have").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -31,4 +31,5 @@ fi
 "$VENV/bin/pip" install -q --no-deps -e .
 "$VENV/bin/python" -c "import torch, diffusers, accelerate, peft; print('torch', torch.__version__, '| diffusers', \
 diffusers.__version__, '| accelerate', accelerate.__version__, '| peft', peft.__version__)"
-exec "$VENV/bin/python" -m pytest -q -n 2 -rs -p no:cacheprovider tests/patch/deferred tests/patch/upstream
+# Both tiers of those parts (-m ""): the launch lines under the environment's accelerate and torchrun too.
+exec "$VENV/bin/python" -m pytest -q -n 2 -rs -m "" -p no:cacheprovider tests/patch/deferred tests/patch/upstream

@@ -79,8 +79,7 @@ class DeferredModel:
         inner = inner_model(signature_of or model)
         observer = inner.register_forward_hook(functools.partial(_observe, weakref.ref(self), weakref.ref(inner)),
                                                with_kwargs=True)
-        weakref.finalize(self, observer.remove)
-        self._finalizer = register(self, self._params)
+        self._finalizers = [weakref.finalize(self, observer.remove), register(self, self._params)]
         self._closed = False
 
     # ------------------------------------------------------------ the model's attributes
@@ -251,7 +250,8 @@ class DeferredModel:
             self.flush()
         self._clear_pending()
         self._closed = True
-        self._finalizer()
+        for finalizer in self._finalizers:
+            finalizer()
 
     # ------------------------------------------------------------ the flush
     def _parameter_versions(self):

@@ -127,6 +127,7 @@ def _adapter_and_base(model):
 
 
 @pytest.mark.parametrize("module", [train_grpo_flux, train_grpo_qwenimage], ids=["flux", "qwenimage"])
+@pytest.mark.slow
 def test_a_step_changes_the_adapter_only_and_resume_is_bit_exact(make_args, tmp_path, module):
     flags = [*FAST, *LORA, "--learning_rate", "1e-2", "--use_ema", "--checkpointing_steps", 1]
     mod = module.__name__

@@ -103,6 +103,7 @@ def test_zero_stages_train_like_the_plain_run_and_resume_bit_exact(runs):
 
 
 @pytest.mark.parametrize("name,reference", [("z2_bf16", "plain"), ("z2_bf16_jagg", "jagg_plain")])
+@pytest.mark.slow
 def test_zero2_in_bf16_on_cpu_holds_bf16_weights_and_computes_in_bf16(runs, cache_dir, name, reference):
     """--mixed_precision bf16 keeps the config's bf16 on CPU: the engine holds bf16 parameters and
     gradients (half the bytes of the float32 run; the optimizer's fp32 master copy and moments stay
@@ -122,6 +123,7 @@ def test_zero2_in_bf16_on_cpu_holds_bf16_weights_and_computes_in_bf16(runs, cach
     assert max_diff(bf16, as_bf16(float32)) > 1e-3                   # not the float32 run, rounded
 
 
+@pytest.mark.slow
 def test_the_runs_release_their_process_groups_zero3s_included(runs):
     """DeepSpeed's gradient hooks sit on autograd's nodes, outside the garbage collector: unless the
     engine is destroyed (DeepSpeedEngine.destroy, at close) they keep it, its groups and their gloo
@@ -134,6 +136,7 @@ def test_the_runs_release_their_process_groups_zero3s_included(runs):
     assert threads.count("gloo_tcp_loop") == 0 and threads.count("pt_gloo_runloop") == 0, threads
 
 
+@pytest.mark.slow
 def test_lora_under_zero2_equals_lora_without_it(runs):
     _, folder = runs
     name = "pytorch_lora_weights.safetensors"
@@ -141,6 +144,7 @@ def test_lora_under_zero2_equals_lora_without_it(runs):
     assert max_diff(a, b) == 0.0 and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
 
 
+@pytest.mark.slow
 def test_jagg_auto_under_zero2_measures_routes_and_trains_as_without_deepspeed(runs):
     """--jagg_frac auto with the monitor at every step: under ZeRO-2 the monitor takes its gradients
     past the engine's buffers (engines.probe.AutogradProbe); its cosines, the routing they choose and
@@ -161,6 +165,7 @@ def test_jagg_auto_under_zero2_measures_routes_and_trains_as_without_deepspeed(r
     assert max_diff(weights(folder / "auto_z2" / "checkpoint-2-0"), weights(folder / "auto_plain" / "checkpoint-2-0")) == 0.0
 
 
+@pytest.mark.slow
 def test_jagg_auto_resumes_its_routing_under_zero2(runs):
     """1 step, then resumed from checkpoint-1 to 2 under ZeRO-2: step 2 runs on the routing step 1
     chose (saved with the checkpoint by rank 0, read back as every engine's), as the unbroken run."""

@@ -137,6 +137,7 @@ def deepspeed(stage):
     (dist_check("zero2-vanilla", "deepspeed", FAST + deepspeed(2)), 2, False),
     (dist_check("zero3-jagg", "deepspeed", FAST + deepspeed(3) + JAGG_W4), 3, True)],
     indirect=["dist_result"], ids=["zero2-vanilla", "zero3-jagg"])
+@pytest.mark.slow
 def test_deepspeed_two_ranks_step_equals_single_process(dist_result, stage, jagg):
     """ZeRO-2 / ZeRO-3 on 2 CPU ranks (gloo): the weights after one optimizer step equal a
     single-process AdamW step on the whole batch (each stage with one update form; all four
@@ -153,6 +154,7 @@ def test_deepspeed_two_ranks_step_equals_single_process(dist_result, stage, jagg
 
 @pytest.mark.parametrize("dist_result", [dist_check("fsdp-comm", "comm", FAST + ["--jagg_window", "4"])],
                          indirect=True, ids=dist_id)
+@pytest.mark.slow
 def test_fsdp_joint_backward_gathers_each_unit_once_per_group(dist_result):
     """The paper's claim, counted: FSDP1 (FULL_SHARD, the trainer's wrapping) all-gathers a unit
     once per forward and once per backward CALL, so one JAGG group of 4 (one micro-batch of 4
@@ -178,6 +180,7 @@ def test_fsdp_joint_backward_gathers_each_unit_once_per_group(dist_result):
 
 @pytest.mark.parametrize("dist_result", [dist_check("fsdp2-comm", "comm", FAST + ["--jagg_window", "4"] + FSDP2)],
                          indirect=True, ids=dist_id)
+@pytest.mark.slow
 def test_fsdp2_collectives_per_group_side_by_side_with_fsdp1(dist_result):
     """The same micro-batch as the FSDP1 count above, on fully_shard units (reshard after forward).
     FSDP2 runs a unit's pre-backward unshard once per forward graph, not once per backward call: the

@@ -137,6 +137,7 @@ def test_the_t_quantiles_are_students():
         assert t_quantile(dof) == pytest.approx(expected, abs=6e-4), dof
 
 
+@pytest.mark.slow
 def test_a_resumed_auto_run_routes_and_trains_as_the_unbroken_one(cache_dir, tmp_path, capsys):
     """Measured at steps 1 and 4 only, a checkpoint every 2 steps: a run resumed from checkpoint-2 routes
     step 3 by the routing its checkpoint saved (step 1's), as the unbroken run does, and ends on the same

@@ -140,6 +140,7 @@ def test_under_fsdp_the_monitor_measures_the_full_gradient_and_leaves_the_update
 
 @pytest.mark.parametrize("dist_result", [helpers.dist_check(f"zero{stage}-monitor", "deepspeed_monitor", [stage])
                                          for stage in (2, 3)], indirect=True, ids=helpers.dist_id)
+@pytest.mark.slow
 def test_under_deepspeed_the_monitor_measures_the_full_gradient_and_leaves_the_step(dist_result):
     """tests/dist/deepspeed_monitor_check.py, two ranks, ZeRO-2 and ZeRO-3: each rank's cosines equal
     those of the full gradient computed in one process, float32; one optimizer step after the

@@ -89,6 +89,7 @@ def test_a_used_folder_is_refused_unless_resumed_or_overwritten(make_args, tmp_p
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1-0"]
 
 
+@pytest.mark.slow
 def test_resume_says_that_it_ignores_overwrite(make_args, tmp_path, capsys):
     """Both flags: the resume wins (the folder's files stay) and the run says so."""
     out = tmp_path / "out"
@@ -101,6 +102,7 @@ def test_resume_says_that_it_ignores_overwrite(make_args, tmp_path, capsys):
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 
+@pytest.mark.slow
 def test_an_evaluation_keeps_the_checkpoints_it_reads(make_args, tmp_path, cache_dir, monkeypatch, capsys):
     """dancegrpo.evaluate holds a reader's lock on the run folder: a run started there with
     --overwrite_output_dir meanwhile is refused naming the reader (it deleted the checkpoints
@@ -151,6 +153,7 @@ def test_the_lock_is_released_when_a_run_fails(make_args, tmp_path, monkeypatch)
 
 # ------------------------------------------------------------------ 2. resume, both families
 @pytest.mark.parametrize("module", [train_grpo_qwenimage, train_grpo_flux], ids=["qwenimage", "flux"])
+@pytest.mark.slow
 def test_resume_is_bit_exact(make_args, tmp_path, module):
     name = module.__name__
 
@@ -288,6 +291,7 @@ def test_compare_reads_a_torn_last_line_as_missing_and_flags_nan(tmp_path, capsy
 
 
 # ------------------------------------------------------------------ 5. resume reproduces or says why not
+@pytest.mark.slow
 def test_resume_without_seed_uses_the_checkpoints_seed(make_args, tmp_path, capsys):
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 2, "--seed", 7, "--output_dir", tmp_path / "a"))
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 1, "--seed", 7, "--output_dir", tmp_path / "b"))
@@ -590,6 +594,7 @@ def test_the_tiny_preset_on_3_ranks_trains_the_batch_given_by_hand(cache_dir, mo
 
 
 # ------------------------------------------------------------------ 8. disk
+@pytest.mark.slow
 def test_checkpoints_total_limit_keeps_the_newest(make_args, tmp_path, monkeypatch):
     out = tmp_path / "out"
     train_grpo_flux.main(make_args(*FAST, "--max_train_steps", 4, "--checkpointing_steps", 1,
@@ -627,6 +632,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(make_args, tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("what", ["metrics line", "sample grid"])
+@pytest.mark.slow
 def test_a_full_disk_under_the_metrics_or_a_grid_keeps_the_step_in_a_checkpoint(make_args, tmp_path, monkeypatch,
                                                                                  capsys, what):
     """ENOSPC while writing step 2's metrics line (half of it written) or its sample grid: exit 3 with the
@@ -688,6 +694,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(disk)], check=True)
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_stops_with_the_message_and_the_limit_makes_room(small_disk, cache_dir, capsys):
     """The disk fills while DCP writes the optimizer shard (its CheckpointException is a
     BaseException): exit 3 with the message, no .tmp left, the earlier checkpoints whole. The advice
@@ -711,6 +718,7 @@ def test_a_real_full_disk_stops_with_the_message_and_the_limit_makes_room(small_
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-6-0"]
 
 
+@pytest.mark.slow
 def test_a_limit_of_one_resumes_again_and_again_on_a_disk_that_holds_two(small_disk, cache_dir, capsys):
     """The advice's promise: --checkpoints_total_limit 1 needs room for two checkpoints, resumed or not
     (the one resumed from goes once a newer one is whole); each restart trains to its end."""

@@ -147,6 +147,7 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["cfg_kl_w3", "nocfg_kl_w5"])
+@pytest.mark.slow
 def test_two_ddp_ranks_equal_the_reference(two_ranks, case):
     ranks = [torch.load(two_ranks / f"{case}.rank{r}.pt", weights_only=False) for r in range(2)]
 
@@ -183,9 +184,12 @@ def launch(command, tmp_path, epochs):
     return run
 
 
-def script_argv(save_dir):
-    return ["--jagg_window", "3", "--jagg_metrics_dir", str(save_dir), os.path.relpath(SCRIPT, ROOT), "--",
-            "--config", "config/grpo.py:tiny_sd3", f"--config.save_dir={save_dir}"]
+def script_argv(save_dir, metrics_dir=True):
+    """metrics_dir: --jagg_metrics_dir save_dir, else the metrics go where the script's accelerate project_dir
+    (the stand-in's config.logdir, here save_dir/logs) is."""
+    return ["--jagg_window", "3", *(["--jagg_metrics_dir", str(save_dir)] if metrics_dir else []),
+            os.path.relpath(SCRIPT, ROOT), "--", "--config", "config/grpo.py:tiny_sd3", f"--config.save_dir={save_dir}",
+            f"--config.logdir={save_dir / 'logs'}"]
 
 
 @pytest.mark.slow
@@ -194,10 +198,14 @@ def test_torchrun_launch_line_trains_two_epochs(tmp_path):
     recipe's learning rate, two epochs: four optimizer steps logged, four flushes beside them, the epoch's
     checkpoint."""
     save = tmp_path / "run"
-    launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
-            "jagg_patch.deferred", *script_argv(save)], tmp_path, epochs=2)
+    run = launch([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone", "-m",
+                  "jagg_patch.deferred", *script_argv(save)], tmp_path, epochs=2)
     logged = [line for line in read_jsonl(save / "log.jsonl") if "policy_loss" in line]
     flushes = read_jsonl(save / "jagg_metrics.jsonl")
+    # one summary line at the end, rank 0's, of the flushes summed over the ranks
+    said = [line for line in run.stderr.splitlines() if line.startswith("jagg_patch.deferred: ")]
+    rows = sum(line["deferred_rows_deferred"] for line in flushes)
+    assert len(said) == 1 and said[0].startswith(f"jagg_patch.deferred: 4 flushes, {rows} rows deferred in "), said
     assert [line["step"] for line in logged] == [0, 1, 2, 3] and len(flushes) == 4
     # jagg_frac 0.6 (its default): [3 JAGG, 2 exact] per trajectory; nothing else trained exactly
     assert all(line["deferred_jagg_groups"] == line["deferred_exact_groups"] > 0 for line in flushes)
@@ -213,10 +221,12 @@ def test_accelerate_launch_line_runs(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m jagg_patch.deferred ...` (accelerate's multi-CPU
     mode with ACCELERATE_USE_CPU=true): one epoch, two flushes."""
     save = tmp_path / "run"
-    launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "jagg_patch.deferred",
-            *script_argv(save)], tmp_path, epochs=1)
-    assert len(read_jsonl(save / "jagg_metrics.jsonl")) == 2
+    run = launch([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+                  "jagg_patch.deferred", *script_argv(save, metrics_dir=False)], tmp_path, epochs=1)
+    # no --jagg_metrics_dir: beside the script's own outputs, in the project_dir it names to accelerate, said
+    assert len(read_jsonl(save / "logs" / "jagg_metrics.jsonl")) == 2
+    assert f"one line per flush in {save / 'logs' / 'jagg_metrics.jsonl'}" in run.stdout
     assert sum("policy_loss" in line for line in read_jsonl(save / "log.jsonl")) == 2
 
 

@@ -360,6 +360,20 @@ def test_a_proxy_dropped_without_close_leaves_nothing_patched():
             torch.optim.Optimizer.zero_grad, torch.nn.utils.clip_grad_norm_) == originals
 
 
+def test_close_flushes_what_is_pending_and_takes_its_hooks_off_the_model():
+    net = Velocity()
+    proxy = deferred.wrap(net, JaggConfig(mode="exact"))
+    x, t, text = torch.ones(1, 5, 4, dtype=DT), torch.tensor([0.5], dtype=DT), torch.ones(1, 2, 3, dtype=DT)
+    proxy(x, t, text).sample.pow(2).sum().backward()
+    proxy.close()
+    assert not net._forward_hooks and proxy.stats[-1].rows_deferred == 1
+    grads = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    net(x, t, text).sample.pow(2).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(grads, net.parameters()))   # vanilla's gradient
+    assert proxy(x, t, text).sample.requires_grad   # a closed proxy calls the model as it is
+
+
 def test_a_model_outliving_its_proxy_records_nothing_for_it():
     net = Velocity()
     proxy = deferred.wrap(net, JaggConfig())

@@ -104,6 +104,7 @@ def launch(*argv, cwd, path=(), known=True):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_launcher_strips_the_jagg_flags_and_runs_upstreams_main(cache_dir, tmp_path):
     """A plain copy of the checkout, run from outside it, with another checkout's fastvideo on PYTHONPATH."""
     out, root = tmp_path / "run", copy_checkout(tmp_path / "checkout")
@@ -505,6 +506,7 @@ def test_fingerprint_command_prints_what_to_record(capsys):
 
 @pytest.mark.parametrize("dist_result", [dist_check("upstream-fsdp", "upstream")], indirect=True,
                          ids=dist_id)
+@pytest.mark.slow
 def test_two_fsdp_ranks_exact_and_jagg(dist_result):
     """tests/dist/upstream_fsdp_check.py on two ranks: exact mode == the stand-in's own step under
     FSDP1 (measured 1.1e-7, float32), and JAGG with backward auto (batched on 2 ranks, one backward
@@ -528,6 +530,7 @@ def test_two_fsdp_ranks_exact_and_jagg(dist_result):
                     reason=str(missing_diffusers_class("WanTransformer3DModel")))
 @pytest.mark.parametrize("dist_result", [dist_check("upstream-fsdp-wan", "upstream", ["wan"])], indirect=True,
                          ids=dist_id)
+@pytest.mark.slow
 def test_two_fsdp_ranks_wan_exact(dist_result):
     """Wan under FSDP1: exact mode clips each rank's shard by its own norm, as upstream's clip_grad_norm_ does."""
     wan = dist_result["wan"]

@@ -129,6 +129,7 @@ def test_a_release_of_unknown_parameter_names_runs_its_own_step(cache_dir, tmp_p
     assert update == "deferred" and max(rel(a, b) for a, b in zip(grads, reference)) < 1e-12
 
 
+@pytest.mark.slow
 def test_the_launcher_runs_the_files_own_step_deferred(cache_dir, tmp_path):
     """`python -m jagg_patch.upstream --jagg_deferred` on the Flux stand-in (a known release: the flag
     chooses), two steps: upstream's own loop and reward file, the proxy's counts in jagg_metrics.jsonl."""

@@ -107,6 +107,7 @@ def test_sd_trainer_exact_mode_is_its_own_loop():
     assert proxy.stats[0].rows_exact == {"mode exact": proxy.stats[0].rows_deferred}
 
 
+@pytest.mark.slow
 def test_the_launcher_runs_the_sd_trainer_deferred(tmp_path):
     run = subprocess.run([sys.executable, "-m", "jagg_patch.upstream", "--jagg_window", "3", "--jagg_frac", "1",
                           SD, "--config", CONFIG], cwd=tmp_path, capture_output=True, text=True, timeout=600,
