@@ -177,7 +177,7 @@ def _backward_patch(original):
         if _ARMED and not _CALLING[0]:
             if "inputs" in kwargs and kwargs["inputs"] is not None:
                 kwargs["inputs"] = with_pending_outputs(tensors, kwargs["inputs"])
-            elif len(args) >= 5 and args[4] is not None:   # (grad_tensors, retain_graph, create_graph, grad_variables, inputs)
+            elif len(args) >= 5 and args[4] is not None:   # positional, after grad_tensors .. grad_variables
                 args = (*args[:4], with_pending_outputs(tensors, args[4]), *args[5:])
         return original(tensors, *args, **kwargs)
     return backward

@@ -97,12 +97,16 @@ def summary(records):
         for name, value in record.items():
             if name.startswith("deferred_") and not name.endswith(LARGEST):
                 total[name] = total.get(name, 0) + value
-    get = lambda name: int(total.get(f"deferred_{name}", 0))   # noqa: E731
+
+    def get(name):
+        return int(total.get(f"deferred_{name}", 0))
+
     exact = [(why, get(f"exact/{why.replace(' ', '_')}")) for why in REASONS]
     exact_text = ", ".join(f"{why} {n}" for why, n in exact if n) or "none"
     calls, backwards, rows, replayed = get("calls"), get("backward_calls"), get("rows_deferred"), get("forwards_grad")
     saved = f"{calls - backwards} backwards saved ({backwards} for vanilla's {calls})" if calls else "no backward"
-    return (f"jagg_patch.deferred: {len(records)} flush{'' if len(records) == 1 else 'es'}, {rows} rows deferred in {calls} calls; trained exactly: "
-            f"{exact_text}; {replayed} rows replayed with grad in {backwards} backwards, where vanilla backpropagates "
+    flushes = f"{len(records)} flush{'' if len(records) == 1 else 'es'}"
+    return (f"jagg_patch.deferred: {flushes}, {rows} rows deferred in {calls} calls; trained exactly: {exact_text}; "
+            f"{replayed} rows replayed with grad in {backwards} backwards, where vanilla backpropagates "
             f"{rows} rows in {calls}: {saved}" + (f"; {get('rows_dropped')} rows dropped by zero_grad"
                                                   if get("rows_dropped") else ""))

@@ -246,7 +246,8 @@ class SkipsNonFinite(Code):
         if self.every_parameter:
             finite = all(bool(torch.isfinite(p.grad).all()) for p in net.parameters())
         else:
-            finite = all(bool(torch.isfinite(g).all()) for g in [p.grad for p in net.parameters() if p.grad is not None])
+            grads = [p.grad for p in net.parameters() if p.grad is not None]
+            finite = all(bool(torch.isfinite(g).all()) for g in grads)
         self.record.append(finite)
         return finite
 

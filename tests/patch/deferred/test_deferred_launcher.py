@@ -136,6 +136,8 @@ def test_a_clip_the_script_imported_sees_the_gradient_and_the_run_ends_with_a_su
     assert f"one line per flush in {metrics}" in out.out
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [line["deferred_rows_deferred"] for line in lines] == [8, 8]
-    said = out.err.strip().splitlines()[-1]
-    assert said.startswith("jagg_patch.deferred: 2 flushes, 16 rows deferred in 8 calls; trained exactly: none; ")
-    assert said.endswith(f"counts per flush in {metrics}") and "backwards saved" in said
+    replayed, backwards = (sum(line[f"deferred_{n}"] for line in lines) for n in ("forwards_grad", "backward_calls"))
+    assert out.err.strip().splitlines()[-1] == (
+        f"jagg_patch.deferred: 2 flushes, 16 rows deferred in 8 calls; trained exactly: none; {replayed} rows "
+        f"replayed with grad in {backwards} backwards, where vanilla backpropagates 16 rows in 8: {8 - backwards} "
+        f"backwards saved ({backwards} for vanilla's 8); counts per flush in {metrics}")
