@@ -8,7 +8,7 @@
 #
 # PyPI's torch wheels for Linux are CUDA builds (they run on a CPU, but import only beside their nvidia-*
 # packages): about 3.5 GB of downloads and 5.5 GB in the venv, 2.5-3.5 min to build on a 2-core machine;
-# the tests take about 5.5 min. A venv already built is reused. Last results: docs/deferred.md ("In the
+# the tests take about 3.5 min. A venv already built is reused. Last results: docs/deferred.md ("In the
 # environments users have").
 set -euo pipefail
 cd "$(dirname "$0")/.."
