@@ -126,7 +126,8 @@ def reference_loss(model, rollout, cond, adv, steps, sigmas, args, normaliser):
     return total / normaliser
 
 
-def float64_setup(make_args, update_batch_size, *extra):
+def float64_setup(make_args, update_batch_size, *extra, shared_noise=False):
+    """shared_noise: a prompt group's samples start from one latent (--init_same_noise)."""
     args = make_args(*FAST, "--clip_range", "0.05", "--update_batch_size", update_batch_size, *extra)
     ctx = trainer.setup(args, FluxFamily(args))
     ctx.transformer.double()
@@ -135,6 +136,9 @@ def float64_setup(make_args, update_batch_size, *extra):
     g = torch.Generator().manual_seed(0)
     n, S = len(captions), args.sampling_steps
     latents = torch.randn(n, S + 1, 16, 64, generator=g, dtype=torch.float64)
+    if shared_noise:
+        group = args.num_generations
+        latents[:, 0] = latents[::group, 0].repeat_interleave(group, dim=0)
     # Old log-probs spread around the new ones so that some ratios leave [1-eps, 1+eps] (clip active).
     with torch.no_grad():
         log_probs = torch.stack([transition_log_prob(

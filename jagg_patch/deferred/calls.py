@@ -242,6 +242,7 @@ class Call:
     output: torch.Tensor = None
     leaf: torch.Tensor = None
     placements: list = None
+    _shared_key: tuple = field(default=None, repr=False)
 
     @classmethod
     def bind(cls, shape, args, kwargs, training):
@@ -279,7 +280,13 @@ class Call:
 
     def shared_key(self):
         """What the rows of one replay chunk must have in common: the argument names and each shared
-        argument's value, the per-row arguments' shapes past the batch, the autocast and the mode."""
+        argument's value, the per-row arguments' shapes past the batch, the autocast and the mode. Read
+        once (a call's arguments changed in place are refused at the flush)."""
+        if self._shared_key is None:
+            self._shared_key = self._read_shared_key()
+        return self._shared_key
+
+    def _read_shared_key(self):
         parts = []
         for name, value in self.arguments.items():
             if self.roles[name] == ROW:

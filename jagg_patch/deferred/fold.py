@@ -4,14 +4,17 @@ routes them (jagg_patch.plan); each JAGG group's signals folded onto its two end
 (jagg_patch.core), every other row with its own signal. Rows that could not be placed, rows of a
 trajectory trained twice in one flush, rows of exact groups and rows of a group whose calls had
 different parameters trainable (one frozen between them: no endpoint stands for both) are trained
-exactly."""
+exactly. Rows several trajectories share are placed first where the flush decides their owners
+(jagg_patch.deferred.owners); those left unplaced train exactly, the rows of one input (one key, alike
+calls) in one replay of their summed signal: one forward and one backward for all of them."""
 from dataclasses import dataclass
 
 import torch
 
 from ..core import endpoint_weights, fold_signals, interpolation_weights
 from ..plan import plan_groups
-from .record import FROZEN, MODE_EXACT, ROUTED_EXACT, TRAINED_TWICE
+from .owners import place_shared_rows
+from .record import FROZEN, IDENTICAL, MODE_EXACT, ROUTED_EXACT, TRAINED_TWICE
 
 
 @dataclass
@@ -31,6 +34,10 @@ class Row:
     @property
     def t(self):
         return float(self.call.t[self.index])
+
+    @property
+    def key(self):
+        return self.call.keys[self.index]
 
 
 @dataclass
@@ -69,9 +76,32 @@ def _group_replays(members, config, stats):
             Replay(members[-1].call, members[-1].index, fold_signals(weights, signals, 1), True)]
 
 
-def plan_replay(rows, config, stats):
-    """The replays of one flush's rows under `config` (a JaggConfig), counted into `stats`."""
+def _one_replay_per_input(exact):
+    """The exact replays, the rows left unplaced as identical merged by input: one row of each input
+    (its key, its call's shared arguments, autocast, mode and trainable parameters) with their signals
+    summed (the rows' outputs are one function of one input, so the sum of their gradients is one
+    backward of the summed signal)."""
+    replays, merged = [], {}
+    for row, why in exact:
+        if why != IDENTICAL:
+            replays.append(Replay(row.call, row.index, row.signal))
+            continue
+        input_key = (row.key, row.call.shared_key(), row.call.trainable)
+        if input_key in merged:
+            merged[input_key].signal = merged[input_key].signal + row.signal
+        else:
+            merged[input_key] = Replay(row.call, row.index, row.signal)
+            replays.append(merged[input_key])
+    return replays
+
+
+def plan_replay(rows, config, stats, candidates_of=None):
+    """The replays of one flush's rows under `config` (a JaggConfig), counted into `stats`;
+    candidates_of(key): the rollout's entries of a key several rows share (their owners are decided
+    from the flush's rows, jagg_patch.deferred.owners)."""
     exact, replays = [], []
+    if candidates_of is not None and config.mode != "exact":
+        stats.shared_placed += place_shared_rows(rows, candidates_of)
     for members in _by_trajectory(rows, config, exact).values():
         positions = [m.entry.position for m in members]
         if len(set(positions)) < len(positions):
@@ -90,7 +120,7 @@ def plan_replay(rows, config, stats):
     for row, why in exact:
         stats.rows_exact[why] = stats.rows_exact.get(why, 0) + 1
         stats.exact_groups += why != ROUTED_EXACT   # a row of its own
-        replays.append(Replay(row.call, row.index, row.signal))
+    replays += _one_replay_per_input(exact)
     kept = [r for r in replays if bool((r.signal != 0).any())]
     stats.zero_rows += len(replays) - len(kept)
     stats.endpoint_rows += sum(r.endpoint for r in kept)

@@ -23,7 +23,7 @@ from .calls import Call, CallShape, form_key, gather_rows, inner_model, output_f
 from .errors import DeferredError
 from .fold import pending_rows, plan_replay
 from .hooks import arm, calling, disarm, own_calls, real_optimizer, register, watch
-from .record import RolloutRecord, reuse_context
+from .record import IDENTICAL, RolloutRecord, reuse_context
 from .replay import Replayer, guard, called_as, make_chunks, trainable_as
 from .stats import FlushStats
 
@@ -170,13 +170,19 @@ class DeferredModel:
 
     def _reusable(self, call):
         """Per row, the rollout's own output where it is the model's now (no optimizer step since, or
-        reuse 'always') and ran under the same autocast and dtypes; None for the others."""
+        reuse 'always') and ran under the same autocast and dtypes; None for the others. A row several
+        rollout rows share takes the first's (one input, one output)."""
         config, record = self.jagg_config, self._record
         if not (record.keep_outputs and (not record.stale or config.reuse == "always")
                 and (self._optimizers or config.reuse == "always")):
             return [None] * call.rows
-        return [e.output if e is not None and e.output is not None and e.context == reuse_context(call, r) else None
-                for r, (e, _) in enumerate(call.placements)]
+        outputs = []
+        for r, (entry, why) in enumerate(call.placements):
+            if entry is None and why == IDENTICAL:
+                entry = record.candidates(call.keys[r])[0]
+            usable = entry is not None and entry.output is not None and entry.context == reuse_context(call, r)
+            outputs.append(entry.output if usable else None)
+        return outputs
 
     # ------------------------------------------------------------ what the pending rows write to
     def _start_pending(self):
@@ -281,7 +287,7 @@ class DeferredModel:
             if changed:
                 raise DeferredError(f"jagg_patch.deferred: the loop changed the argument(s) {changed} of a deferred call "
                                     "in place before the flush; the replay cannot see what the call saw")
-            replays = plan_replay(pending_rows(self._pending), self.jagg_config, stats)
+            replays = plan_replay(pending_rows(self._pending), self.jagg_config, stats, self._record.candidates)
             max_rows = max((call.rows for call in self._pending), default=1)
             chunks = make_chunks(replays, max_rows)
             template = self._pending[-1] if self._pending else self._last_call

@@ -134,6 +134,10 @@ class RolloutRecord:
         self.chains.append(chain)
         return chain
 
+    def candidates(self, key):
+        """The rollout's entries of `key` (several where trajectories share it)."""
+        return list(self.index.get(key, ()))
+
     def place(self, key):
         """(the Entry of the one rollout row with this key, None) or (None, why it has none)."""
         entries = self.index.get(key)

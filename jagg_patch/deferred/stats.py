@@ -15,6 +15,7 @@ class FlushStats:
     rows_deferred: int = 0      # their rows
     rows_dropped: int = 0       # rows of calls before a zero_grad that erased them (as it erases vanilla's gradient)
     rollout_rows: int = 0       # rows of calls without grad recorded as rollout steps
+    shared_placed: int = 0      # rows several rollout rows share, placed by the flush's counts (deferred.owners)
     forwards_nograd: int = 0    # rows forwarded without grad when the loop called
     forwards_reused: int = 0    # rows whose call-time output was the rollout's own
     rows_exact: dict = field(default_factory=dict)   # why -> rows trained exactly (their own forward and backward)

@@ -5,7 +5,8 @@ equals the JAGG gradient computed from the loop's own row labels by plain autogr
 import pytest
 import torch
 
-from deferred_loops import LOOPS, Log, Setting, Velocity, capture_grads, reference_gradients
+from deferred_loops import (DT, LOOPS, Log, Setting, SignalRecorder, Velocity, capture_grads, gaussian_step,
+                            jagg_reference, ppo, reference_gradients, velocity_row)
 from helpers import relative_error
 from jagg_patch import JaggConfig
 from jagg_patch import deferred
@@ -89,16 +90,72 @@ def test_counts_per_group():
     assert s.rollout_rows == n * setting.steps and s.max_replay_diff == 0.0
 
 
-def test_identical_rows_are_trained_exactly():
-    """DanceGRPO SD: every sample starts from one latent, so the first step's rows cannot be told
-    apart: they are trained exactly; the reference that groups them with their samples differs."""
+def first_step(label):
+    return label[2] == 0
+
+
+def test_identical_rows_are_placed_by_the_flushs_counts():
+    """DanceGRPO SD: every sample starts from one latent, so a prompt's first-step conditional rows are
+    one rollout row, and every sample's unconditional one; every sample trains as many steps, so the
+    samples a row short own them: the gradient is the reference's that groups each with its sample,
+    not the one that trains them apart."""
     setting = Setting(shared_noise=True)
     config = JaggConfig(window=4, jagg_frac=1.0)
     got, proxy = run("sd", setting, config)
-    first_step = lambda label: label[2] == 0   # noqa: E731
-    assert_equal_steps(got, reference_gradients(Velocity(), "sd", setting, config, 0, identical=first_step))
-    assert proxy.stats[0].rows_exact["identical rows"] > 0
-    assert relative_error(got[0], reference_gradients(Velocity(), "sd", setting, config, 0)[0]) > 1e-3
+    assert_equal_steps(got, reference_gradients(Velocity(), "sd", setting, config, 0))
+    assert proxy.stats[0].shared_placed > 0 and proxy.stats[0].exact_rows == 0
+    apart = reference_gradients(Velocity(), "sd", setting, config, 0, identical=first_step)
+    assert relative_error(got[0], apart[0]) > 1e-3
+
+
+def uneven_loop(model, optimizer, log, generator):
+    """Three samples of one prompt from one latent that train different numbers of steps (no loop this
+    package reaches trains so): the flush's counts leave the owners of the shared first step to a guess."""
+    s = Setting(prompts=1, generations=3, steps=5)
+    sigmas, (cond, _) = s.sigmas(), s.embeddings()
+    traj = [torch.randn(1, s.tokens, s.channels, generator=generator, dtype=DT).expand(3, -1, -1).clone()]
+    old = []
+    with torch.no_grad():
+        for k in range(s.steps):
+            v = model(hidden_states=traj[k], timestep=sigmas[k].expand(3), encoder_hidden_states=cond,
+                      return_dict=False)[0]
+            nxt, lp = gaussian_step(traj[k], v, float(sigmas[k]), float(sigmas[k + 1]), s.eta, generator=generator)
+            traj.append(nxt)
+            old.append(lp - 0.05)
+    advantages = torch.tensor([1.0, -0.5, 0.3], dtype=DT)
+    for i, steps in enumerate(([0, 1, 2], [0, 3], [1, 2, 3, 4])):
+        for k in steps:
+            log.calls.append([(i, 0, k)])
+            v = model(hidden_states=traj[k][i:i + 1], timestep=sigmas[k].expand(1), encoder_hidden_states=cond[i:i + 1],
+                      return_dict=False)[0]
+            _, logp = gaussian_step(traj[k][i:i + 1], v, float(sigmas[k]), float(sigmas[k + 1]), s.eta,
+                                    prev=traj[k + 1][i:i + 1])
+            (ppo(logp, old[k][i], advantages[i], s).mean() / 9).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_identical_rows_the_counts_cannot_place_train_exactly_in_one_replay():
+    """Where the owners would be a guess the shared rows train exactly: the gradient is the reference's
+    that trains them apart, and the two rows of one input are one replayed row (their signals summed)."""
+    config = JaggConfig(window=4, jagg_frac=1.0)
+    model = Velocity()
+    proxy = deferred.wrap(model, config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    log = Log()
+    capture_grads(optimizer, list(model.parameters()), log)
+    uneven_loop(proxy, optimizer, log, torch.Generator().manual_seed(0))
+    proxy.close()
+    recorder, labels = SignalRecorder(Velocity()), Log()
+    reference = torch.optim.SGD(recorder.model.parameters(), lr=0.0)
+    uneven_loop(recorder, reference, labels, torch.Generator().manual_seed(0))
+    ref = jagg_reference(recorder.model, recorder.calls, labels.calls, [len(recorder.calls)], config, first_step,
+                         velocity_row)
+    assert relative_error(log.grads[0], ref[0]) < 1e-12
+    stats = proxy.stats[0]
+    assert stats.shared_placed == 0 and stats.rows_exact == {"identical rows": 2, "routed exact": 1}
+    # sample 0: [1, 2] one group (2 endpoints); sample 1: [3] exact; sample 2: one group (2); the shared rows: 1
+    assert stats.forwards_grad + stats.zero_rows == 6
 
 
 def test_a_re_evaluation_of_the_rollouts_rows_is_not_a_rollout():

@@ -21,10 +21,10 @@ def flat_grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad and p.grad is not None])
 
 
-def both_updates(make_args, config, micro_batch, trained=4):
+def both_updates(make_args, config, micro_batch, trained=4, shared_noise=False):
     """(deferred gradient, restated gradient, the proxy's stats) of one accumulation over every sample:
     the rollout's calls run through the proxy (one call per transition over all samples, in order)."""
-    args, ctx, cond, rollout, adv = float64_setup(make_args, micro_batch)
+    args, ctx, cond, rollout, adv = float64_setup(make_args, micro_batch, shared_noise=shared_noise)
     n, S = adv.numel(), args.sampling_steps
     raw = ctx.transformer
     proxy = deferred.wrap(raw, config).attach(ctx.optimizer)
@@ -96,17 +96,32 @@ def test_launcher_runs_deferred_as_the_restated_update(make_args, cache_dir, tmp
     assert line["deferred_jagg_groups"] == 8 and line["transformer_backwards"] == 16
 
 
-def test_shared_initial_noise_trains_the_first_step_exactly(make_args):
-    """--init_same_noise (the presets' default): a group's first-step rows are the same row, so they
-    are trained exactly (counted) and the rest of each sample is grouped as usual; the other rows of
-    their calls still take the rollout's outputs (only the identical rows are forwarded)."""
+@pytest.mark.parametrize("window, frac, alpha, reuse", [
+    (4, 0.6, "timestep", "on_policy"), (3, 1.0, "index", "off"), (2, 1.0, "timestep", "on_policy"),
+    (4, 1.0, "timestep", "off")])
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_shared_initial_noise_is_placed_as_the_restated_update_groups_it(make_args, window, frac, alpha, reuse,
+                                                                         micro_batch):
+    """--init_same_noise (the presets' and upstream's recipes): a prompt group's first-step rows are one
+    row of the rollout; the flush places them with the samples that trained their first step (each a row
+    short of the others), so the gradient is the restated update's, float64, to 1e-12, and no row trains
+    exactly but by routing; their call-time outputs come from the rollout like every other row's."""
+    config = JaggConfig(window=window, jagg_frac=frac, alpha=alpha, reuse=reuse)
+    got, ref, stats = both_updates(make_args, config, micro_batch, shared_noise=True)
+    assert relative_error(got, ref) < 1e-12
+    assert stats.shared_placed > 0 and stats.exact_rows == stats.rows_exact.get("routed exact", 0)
+    assert stats.forwards_reused == (stats.rows_deferred if reuse == "on_policy" else 0)
+
+
+def test_shared_noise_through_the_trainer(make_args):
+    """The trainer's own rollout and update (the tiny preset draws one noise per prompt group): every
+    identical row placed, none forwarded at call time (one optimizer step: every call on-policy)."""
     import dancegrpo.train_grpo_flux as flux
     apply_deferred(JaggConfig(window=4, jagg_frac=1.0), trainer_module=flux)
     record, _, _ = captured_step(make_args)
-    identical = record["deferred_exact/identical_rows"]
-    assert identical > 0 and record["deferred_exact_rows"] == identical
-    assert record["deferred_forwards_nograd"] == identical   # one optimizer step: every call on-policy
-    assert record["deferred_forwards_reused"] == record["deferred_rows_deferred"] - identical
+    assert record["deferred_shared_placed"] > 0 and record["deferred_exact_rows"] == 0
+    assert record["deferred_forwards_nograd"] == 0
+    assert record["deferred_forwards_reused"] == record["deferred_rows_deferred"]
 
 
 @pytest.mark.parametrize("flags, message", [
