@@ -222,8 +222,9 @@ def add_jagg_args(parser):
                    help="Leave the trainer's own update as it is and defer its backward through a proxy of the "
                         "model (jagg_patch.deferred, docs/deferred.md): each call in grad mode returns its output "
                         "as a leaf, the loop's own loss computes the upstream gradients, and before the clip the "
-                        "proxy folds them and replays the endpoints. Same gradient as the restated update; "
-                        "--jagg_backward is not used (the replay runs chunks of the loop's own call size).")
+                        "proxy folds them and replays the endpoints. Same gradient as the restated update; the "
+                        "replay runs chunks of the loop's own call rows (vanilla's activation peak), twice that "
+                        "under --jagg_backward batched (the batched form's peak, fewer and larger passes).")
     g.add_argument("--jagg_monitor_samples", type=_positive, default=MONITOR_SAMPLES, metavar="N",
                    help="Samples the monitor measures on per rank, the step's first (over its first micro-batches "
                         "when one holds fewer); --jagg_frac auto needs >= 2 (the spread its bound is made of).")
@@ -283,8 +284,15 @@ def deferred_refusal(args):
     if getattr(args, "engine", None) == "deepspeed":
         return ("does not drive DeepSpeed (its engine runs every backward itself): use --engine fsdp or fsdp2 (the "
                 "restated update runs on DeepSpeed)")
-    if args.jagg_grouping != "trained":
+    # Another codebase's script (no --sampling_steps flag) picks its own steps; a trainer of this project
+    # draws the windows (its S, None before the preset's defaults are in: checked again after).
+    if args.jagg_grouping != "trained" and not hasattr(args, "sampling_steps"):
         return "groups the transitions the loop's own update trains: use --jagg_grouping trained"
+    steps = getattr(args, "sampling_steps", None)
+    if args.jagg_grouping == "window" and steps is not None and (steps - 1) % args.jagg_window:
+        return (f"with --jagg_grouping window needs --jagg_window to divide the S-1 = {steps - 1} trainable transitions "
+                "(as the authors' code does): a sample that drew a shorter last window would pad its trained steps, "
+                "which the trainer's own update trains as steps")
     if args.jagg_frac == "auto" or args.jagg_monitor_every:
         return "has no fidelity monitor: give a fixed --jagg_frac and no --jagg_monitor_every"
     return None
@@ -345,6 +353,8 @@ def jagg_plan_text(args, output_bytes=None):
     deferred = getattr(args, "jagg_deferred", False)
     backward = "deferred" if deferred else resolve_backward(args.jagg_backward)
     shown = backward if deferred or args.jagg_backward != "auto" else f"auto -> {backward}"
+    if deferred and resolve_backward(args.jagg_backward) == "batched":
+        shown += ", batched replay: chunks of twice the loop's call rows"
     head = (f"JAGG plan (grouping {args.jagg_grouping}, alpha {args.jagg_alpha}, backward {shown}, "
             f"mode {args.jagg_mode}, window {args.jagg_window}, jagg_frac {args.jagg_frac}): "
             f"S={args.sampling_steps} -> {num_transitions} trainable transitions; ")
@@ -372,14 +382,17 @@ def jagg_plan_text(args, output_bytes=None):
                       f"max {sum(costs[-n_train:])}) instead of "
                       f"{n_train * num_transitions / len(windows):g} with the exact backward of the same windows "
                       f"(vanilla trains {n_vanilla} transitions)",
+                      deferred_plan_text(args, windows, n_train * args.jagg_window, n_train) if deferred else
                       reuse_plan_text(args, n_train * sum(group_cost(g, args.jagg_mode)[1] for g in windows)
                                       / len(windows), output_bytes)])
 
 
-def deferred_plan_text(args, groups, n_trained):
+def deferred_plan_text(args, groups, n_trained, drawn=None):
     """What the deferred update runs per sample: the loop's own calls without grad (or the rollout's
-    outputs), then the flush's replays with grad, each with its backward."""
+    outputs), then the flush's replays with grad, each with its backward. drawn: under the window
+    grouping, how many of `groups` (all the windows) a sample trains (the replays then an expectation)."""
     replays = sum(2 if g.jagg and args.jagg_mode != "exact" else g.size for g in groups)
+    replays = replays if drawn is None else f"{drawn * replays / len(groups):g} (expected)"
     reuse = {"off": "no reuse: each of them forwarded without grad",
              "on_policy": "taken from the rollout before the step's first optimizer step, else forwarded without grad",
              "always": "taken from the rollout (stale after an optimizer step)"}[args.jagg_reuse_rollout]

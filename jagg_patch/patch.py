@@ -6,7 +6,8 @@ Each trainer's `train_one_step` reads its module-globals `policy_update` and
 JAGG and back. The trained grouping replaces only `policy_update`; the window
 grouping (the authors' code) also replaces the choice of trained transitions.
 `apply_deferred` leaves the update as it is and wraps `train_one_step` instead, so that the
-trainer's own update calls the transformer through jagg_patch.deferred's proxy.
+trainer's own update calls the transformer through jagg_patch.deferred's proxy (under the window
+grouping it replaces the choice of trained transitions as well).
 """
 import importlib
 
@@ -52,18 +53,25 @@ def apply_jagg(config=None, *, trainer_module=None, **settings):
 
 def apply_deferred(config=None, *, trainer_module=None, **settings):
     """Run the trainer's own (vanilla) update with its transformer behind jagg_patch.deferred's proxy:
-    its train_one_step seam is wrapped (jagg_patch.trainer_deferred), its update seams stay the
-    originals. Same arguments as apply_jagg; revert_jagg undoes it."""
+    its train_one_step seam is wrapped (jagg_patch.trainer_deferred), its policy_update stays the
+    original (and select_train_steps too, but under the window grouping: the authors' windows). Same
+    arguments as apply_jagg; revert_jagg undoes it."""
     from .deferred.proxy import check_config
     from .trainer_deferred import deferred_train_one_step
+    from .update import make_window_selection
     config = as_config(config, **settings)
-    check_config(config)
+    # the window grouping: the trainer draws whole windows (its select_train_steps seam); S, which the
+    # window must divide, is the trainer's, checked when the proxy is made (trainer_deferred.install)
+    check_config(config, transitions=config.window if config.grouping == "window" else None)
     modules = _trainer_modules(trainer_module)
     for module in modules:
         check_seams(module)
     for module in modules:
         for seam in REPLACED:
             _restore(module, seam)
+        if config.grouping == "window":
+            _ORIGINALS[(module.__name__, "select_train_steps")] = module.select_train_steps
+            module.select_train_steps = make_window_selection(config.window)
         original = _ORIGINALS.setdefault((module.__name__, WRAPPED), getattr(module, WRAPPED))
         setattr(module, WRAPPED, deferred_train_one_step(original, config))
     return modules

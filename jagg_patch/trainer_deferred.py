@@ -5,9 +5,9 @@ Only the trainer module's `train_one_step(ctx)` seam is wrapped (jagg_patch.seam
 it puts the proxy in ctx.transformer (the engine keeps the model it holds, for its clip, state dicts
 and EMA), attached to the engine's optimizer, and makes the engine's `optimizer_step` flush first
 (its clip reads which parameters have a gradient before it clips); every step's record gets the
-proxy's counts of that step, summed over the ranks. Where every row is placed, the groups, routing
-and gradient are the restated update's (jagg_patch.update); rows the proxy cannot tell apart (one
-initial latent for a group) train exactly (docs/deferred.md).
+proxy's counts of that step, summed over the ranks. The groups, routing and gradient are the restated
+update's (jagg_patch.update), the rows a group's samples share under --init_same_noise included: the
+flush places them (docs/deferred.md).
 """
 
 from .deferred import DeferredModel, wrap
@@ -17,7 +17,8 @@ from .deferred.stats import flush_record
 def install(ctx, config):
     """ctx.transformer behind the proxy, attached to the engine's optimizer; the engine's optimizer_step
     flushes first."""
-    proxy = wrap(ctx.transformer, config).attach(ctx.engine.optimizer)
+    transitions = ctx.args.sampling_steps - 1 if config.grouping == "window" else None
+    proxy = wrap(ctx.transformer, config, transitions=transitions).attach(ctx.engine.optimizer)
     step = ctx.engine.optimizer_step
 
     def optimizer_step(check_norm):

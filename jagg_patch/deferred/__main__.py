@@ -21,7 +21,8 @@ accelerator.prepare returns is a proxy that defers each update call's backward, 
 upstream gradients of W consecutive trained steps and replays the two endpoints before the
 script reads the gradient (its clip, its step; docs/deferred.md; Flow-GRPO's trainers:
 docs/flowgrpo.md). After `--` every argument is the script's. JAGG flags (defaults in
-parentheses; --jagg_backward, --jagg_deferred and the monitor's flags are refused here):
+parentheses; --jagg_deferred and the monitor's flags are refused here; --jagg_backward batched
+replays twice the script's call rows at once, the other forms its call rows):
 JAGG_FLAGS
 --jagg_mode exact runs the script as it is. Each flush's counts go to jagg_metrics.jsonl, one
 line per flush, in --jagg_metrics_dir, else the folder the script names to accelerate
@@ -29,8 +30,7 @@ line per flush, in --jagg_metrics_dir, else the folder the script names to accel
 with one summary line.
 """
 # The flags of the restated update this launcher has no use for, and why (one line, exit 2, when given).
-UNUSED = {"--jagg_backward": "the endpoints are replayed in chunks of the loop's own call size, one backward each",
-          "--jagg_deferred": "it is the deferred update already",
+UNUSED = {"--jagg_deferred": "it is the deferred update already",
           "--jagg_monitor_samples": "it has no fidelity monitor",
           "--jagg_min_cos": "it has no --jagg_frac auto"}
 HELP_FLAGS = ("-h", "--help", "--helpfull", "--helpshort", "--helpxml")

@@ -169,27 +169,29 @@ def _weights(numel, device):
     key = (numel, str(device))
     if key not in _WEIGHTS:
         g = torch.Generator().manual_seed(numel)
-        _WEIGHTS[key] = torch.rand(numel, generator=g, dtype=torch.float64).to(device)
+        _WEIGHTS[key] = torch.randint(-2 ** 62, 2 ** 62, (2, numel), generator=g, dtype=torch.int64).to(device)
     return _WEIGHTS[key]
 
 
 def _fingerprints(tensor):
-    out = []
-    for r in range(tensor.shape[0]):
-        x = tensor[r].detach().reshape(-1).to(torch.float64, copy=True)
-        out.append(torch.stack([x.sum(), (x * x).sum(), (x * _weights(x.numel(), x.device)).sum()]))
-    return torch.stack(out)
+    # The float64 bits of each value as an integer; sums of integers wrap modulo 2^64, a ring, so their
+    # order does not matter: a row gives the same fingerprint in any batch, at any offset, in one pass
+    # over the whole tensor (float sums would depend on how the reduction is split).
+    rows = tensor.shape[0]
+    bits = tensor.detach().reshape(rows, -1).to(torch.float64).contiguous().view(torch.int64)
+    weights = _weights(bits.shape[1], bits.device)
+    return torch.stack([bits.sum(1), (bits * weights[0]).sum(1), (bits * weights[1]).sum(1)], dim=1)
 
 
 _KNOWN = OrderedDict()   # (id, version, shape, dtype) -> (a weak reference to the tensor, its fingerprints)
 
 
 def row_fingerprints(tensor):
-    """[rows, 3] float64 on the tensor's device: per row the sum, the sum of squares and a fixed
-    random projection of its values in float64. Each row is copied to fresh memory first, so the
-    reductions run alike whatever batch, offset or dtype the row came in: equal values give equal
-    fingerprints, bit for bit. A tensor passed again unchanged (a micro-batch's conditioning, in
-    each of its calls) is not read again: the same object, at the same version."""
+    """[rows, 3] int64 on the tensor's device: per row the sum of its values' float64 bits read as
+    integers and two fixed random projections of them, all modulo 2^64: equal values give equal
+    fingerprints whatever batch, offset or dtype the row came in (a value cast to float64 keeps its
+    bits), and a changed value changes all three. A tensor passed again unchanged (a micro-batch's
+    conditioning, in each of its calls) is not read again: the same object, at the same version."""
     key = (id(tensor), tensor._version, tuple(tensor.shape), tensor.dtype)
     known = _KNOWN.get(key)
     if known is not None and known[0]() is tensor:

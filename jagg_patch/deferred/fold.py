@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from ..core import endpoint_weights, fold_signals, interpolation_weights
-from ..plan import plan_groups
+from ..plan import plan_groups, plan_windows
 from .owners import place_shared_rows
-from .record import FROZEN, IDENTICAL, MODE_EXACT, ROUTED_EXACT, TRAINED_TWICE
+from .record import FROZEN, IDENTICAL, MODE_EXACT, PARTIAL_WINDOW, ROUTED_EXACT, TRAINED_TWICE
 
 
 @dataclass
@@ -66,14 +66,24 @@ def _by_trajectory(rows, config, exact):
     return trajectories
 
 
-def _group_replays(members, config, stats):
-    """The two endpoint replays of one JAGG group (members in denoising order)."""
-    t = torch.tensor([m.t for m in members], dtype=torch.float64)
-    weights = endpoint_weights(interpolation_weights(t, config.alpha), config.mode, len(members))
-    signals = {j: m.signal for j, m in enumerate(members)}
-    stats.jagg_groups += 1
-    return [Replay(members[0].call, members[0].index, fold_signals(weights, signals, 0), True),
-            Replay(members[-1].call, members[-1].index, fold_signals(weights, signals, 1), True)]
+def _group_replays(groups, config, stats):
+    """The two endpoint replays of each JAGG group (its members in denoising order). Groups of one
+    width (and output form) are folded together, member j of every group in one tensor: the same
+    arithmetic per element as one group at a time (jagg_patch.core folds a micro-batch's groups so),
+    in a few tensor ops."""
+    alike, replays = {}, []
+    for members in groups:
+        output = members[0].call.output
+        alike.setdefault((len(members), output.dtype, output.device, tuple(output.shape[1:])), []).append(members)
+    for (width, *_), batch in alike.items():
+        t = torch.tensor([[m.t for m in members] for members in batch], dtype=torch.float64).T   # [W, groups]
+        weights = endpoint_weights(interpolation_weights(t, config.alpha), config.mode, width)
+        signals = {j: torch.stack([members[j].signal for members in batch]) for j in range(width)}
+        for end, at in ((0, 0), (1, -1)):
+            folded = fold_signals(weights, signals, end)
+            replays += [Replay(members[at].call, members[at].index, folded[g], True) for g, members in enumerate(batch)]
+    stats.jagg_groups += len(groups)
+    return replays
 
 
 def _one_replay_per_input(exact):
@@ -95,11 +105,45 @@ def _one_replay_per_input(exact):
     return replays
 
 
-def plan_replay(rows, config, stats, candidates_of=None):
+def _nonzero(replays, stats):
+    """The replays whose signal is not all zero (a row the loss did not reach), read once per kind of
+    signal rather than once per row (each read waits for the device)."""
+    alike, kept = {}, set()
+    for replay in replays:
+        signal = replay.signal
+        alike.setdefault((signal.dtype, signal.device, tuple(signal.shape)), []).append(replay)
+    for batch in alike.values():
+        nonzero = torch.stack([r.signal for r in batch]).reshape(len(batch), -1).ne(0).any(1).tolist()
+        kept.update(id(r) for r, keep in zip(batch, nonzero) if keep)
+    stats.zero_rows += len(replays) - len(kept)
+    return [r for r in replays if id(r) in kept]
+
+
+def _cut(members, config, transitions):
+    """[(its rows, routed to JAGG, why exact)] of one trajectory's rows in denoising order: W
+    consecutive trained rows (the paper's grouping), or the trajectory's windows (the authors': window g
+    holds positions gW .. gW+W-1 of `transitions`, routed by g as jagg_patch.plan.plan_windows routes;
+    a window the loop did not train whole trains exactly)."""
+    if config.grouping != "window":
+        return [([members[i] for i in group.members], group.jagg, ROUTED_EXACT)
+                for group in plan_groups(range(len(members)), config.window, config.jagg_frac)]
+    windows = plan_windows(transitions, config.window, config.jagg_frac)
+    by_window = {}
+    for m in members:
+        by_window.setdefault(m.entry.position // config.window, []).append(m)
+    cut = []
+    for g, rows in by_window.items():
+        whole = g < len(windows) and tuple(m.entry.position for m in rows) == windows[g].members
+        cut.append((rows, whole and windows[g].jagg, ROUTED_EXACT if whole else PARTIAL_WINDOW))
+    return cut
+
+
+def plan_replay(rows, config, stats, candidates_of=None, transitions=None):
     """The replays of one flush's rows under `config` (a JaggConfig), counted into `stats`;
     candidates_of(key): the rollout's entries of a key several rows share (their owners are decided
-    from the flush's rows, jagg_patch.deferred.owners)."""
-    exact, replays = [], []
+    from the flush's rows, jagg_patch.deferred.owners); transitions: a trajectory's trainable
+    transitions, which the window grouping cuts."""
+    exact, groups = [], []
     if candidates_of is not None and config.mode != "exact":
         stats.shared_placed += place_shared_rows(rows, candidates_of)
     for members in _by_trajectory(rows, config, exact).values():
@@ -108,20 +152,17 @@ def plan_replay(rows, config, stats, candidates_of=None):
             exact += [(m, TRAINED_TWICE) for m in members]
             continue
         members.sort(key=lambda m: m.entry.position)
-        for group in plan_groups(range(len(members)), config.window, config.jagg_frac):
-            chosen = [members[i] for i in group.members]
-            if group.jagg and len({m.call.trainable for m in chosen}) > 1:
+        for chosen, jagg, why in _cut(members, config, transitions):
+            if jagg and len({m.call.trainable for m in chosen}) > 1:
                 exact += [(m, FROZEN) for m in chosen]
-            elif group.jagg:
-                replays += _group_replays(chosen, config, stats)
+            elif jagg:
+                groups.append(chosen)
             else:
-                exact += [(m, ROUTED_EXACT) for m in chosen]
-                stats.exact_groups += 1
+                exact += [(m, why) for m in chosen]
+                stats.exact_groups += why == ROUTED_EXACT
     for row, why in exact:
         stats.rows_exact[why] = stats.rows_exact.get(why, 0) + 1
         stats.exact_groups += why != ROUTED_EXACT   # a row of its own
-    replays += _one_replay_per_input(exact)
-    kept = [r for r in replays if bool((r.signal != 0).any())]
-    stats.zero_rows += len(replays) - len(kept)
+    kept = _nonzero(_group_replays(groups, config, stats) + _one_replay_per_input(exact), stats)
     stats.endpoint_rows += sum(r.endpoint for r in kept)
     return kept

@@ -24,18 +24,22 @@ from .errors import DeferredError
 from .fold import pending_rows, plan_replay
 from .hooks import arm, calling, disarm, own_calls, real_optimizer, register, watch
 from .record import IDENTICAL, RolloutRecord, reuse_context
-from .replay import Replayer, guard, called_as, make_chunks, trainable_as
+from .replay import Replayer, guard, called_as, chunk_rows, make_chunks, trainable_as
 from .stats import FlushStats
 
 _OWN = ("wrapped", "jagg_config", "stats", "on_flush")   # every other attribute is the model's (.config, .module)
 
 
-def check_config(config):
-    """The settings a deferred update can serve, else one line naming the fix."""
-    if config.grouping != "trained":
+def check_config(config, transitions=None):
+    """The settings a deferred update can serve, else one line naming the fix. transitions: the trainable
+    transitions of a trajectory (S - 1), given where the loop trains the window grouping's windows."""
+    if config.grouping != "trained" and transitions is None:
         raise DeferredError("jagg_patch.deferred groups the steps the loop trains (--jagg_grouping trained); the "
                             "window grouping chooses the trained steps itself, which a loop left as it is does not "
-                            "let it do")
+                            "let it do (a loop that trains whole windows: wrap(model, config, transitions=S-1))")
+    if config.grouping == "window" and transitions % config.window:
+        raise DeferredError(f"jagg_patch.deferred's window grouping needs the window ({config.window}) to divide the "
+                            f"{transitions} trainable transitions, as the authors' code does")
     if config.auto or config.monitor_every:
         raise DeferredError("jagg_patch.deferred has no fidelity monitor (--jagg_monitor_every, --jagg_frac auto): "
                             "give a fixed --jagg_frac, or use the restated update")
@@ -58,12 +62,14 @@ class DeferredModel:
     FlushStats per flush), `on_flush` (callbacks fn(proxy, stats) after each flush, on every rank),
     `close()`, `wrapped` (the model), `jagg_config`; every other attribute is the wrapped model's."""
 
-    def __init__(self, model, config, *, timestep=None, latent=None, signature_of=None, replay_tolerance=None):
+    def __init__(self, model, config, *, timestep=None, latent=None, signature_of=None, replay_tolerance=None,
+                 transitions=None):
         if isinstance(model, DeferredModel):
             raise DeferredError("jagg_patch.deferred: the model is a deferred proxy already (wrap of a wrap): wrap the "
                                 "model once, and use that proxy wherever the loop calls it")
-        check_config(config)
+        check_config(config, transitions)
         refuse_mode_dependent(model)
+        self._transitions = transitions
         self.wrapped, self.jagg_config, self.stats, self.on_flush = model, config, [], []
         self._shape = CallShape.of(signature_of or model, timestep, latent)
         self._replayer = Replayer(model)
@@ -287,9 +293,10 @@ class DeferredModel:
             if changed:
                 raise DeferredError(f"jagg_patch.deferred: the loop changed the argument(s) {changed} of a deferred call "
                                     "in place before the flush; the replay cannot see what the call saw")
-            replays = plan_replay(pending_rows(self._pending), self.jagg_config, stats, self._record.candidates)
-            max_rows = max((call.rows for call in self._pending), default=1)
-            chunks = make_chunks(replays, max_rows)
+            replays = plan_replay(pending_rows(self._pending), self.jagg_config, stats, self._record.candidates,
+                                  self._transitions)
+            call_rows = max((call.rows for call in self._pending), default=1)
+            chunks = make_chunks(replays, chunk_rows(call_rows, self.jagg_config.backward), self._pending)
             template = self._pending[-1] if self._pending else self._last_call
             if template is None:
                 raise DeferredError("jagg_patch.deferred: another rank flushes, but this one has never been called in "
@@ -337,5 +344,7 @@ def wrap(model, config, **options):
     `config` (a jagg_patch.JaggConfig). options: timestep= / latent= (the argument names, for a model
     class jagg_patch.deferred.calls.ARGUMENT_ROLES does not list), signature_of= (the model whose
     forward names the arguments, when `model`'s takes only *args / **kwargs), replay_tolerance= (the
-    guard's relative bound instead of the one for the rows' precision)."""
+    guard's relative bound instead of the one for the rows' precision), transitions= (the trainable
+    transitions of a trajectory, S - 1: the authors' window grouping, for a loop that trains whole windows,
+    each row's window told by its rollout position)."""
     return DeferredModel(model, config, **options)

@@ -28,7 +28,8 @@ TRAINED_TWICE = "trained twice"
 ROUTED_EXACT = "routed exact"
 MODE_EXACT = "mode exact"
 FROZEN = "requires_grad changed"   # a group whose rows were called with different parameters trainable
-REASONS = (NO_RECORD, IDENTICAL, TRAINED_TWICE, ROUTED_EXACT, MODE_EXACT, FROZEN)
+PARTIAL_WINDOW = "window not trained whole"   # the window grouping: a window the loop trained only part of
+REASONS = (NO_RECORD, IDENTICAL, TRAINED_TWICE, ROUTED_EXACT, MODE_EXACT, FROZEN, PARTIAL_WINDOW)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Running a flush's replays: rows cut into chunks no larger than the loop's own calls (so the
-replay's activation peak is vanilla's), each chunk one forward with grad under the autocast and
-train / eval mode its rows were called in, checked against the call-time output, and one backward
-of the chunk's signals; and how each engine runs them so that no rank waits for another:
+replay's activation peak is vanilla's), or twice that under the batched backward form (both endpoints
+of a call's rows in one forward: the restated batched form's peak, fewer and larger passes), each
+chunk one forward with grad under the autocast and train / eval mode its rows were called in,
+checked against the call-time output, and one backward of the chunk's signals; and how each engine runs them so that no rank waits for another:
 
 - one process: the chunks as they are;
 - DDP (the proxy outside it): every chunk but the last through the inner module (no DDP hooks: as
@@ -45,12 +46,21 @@ class Chunk:
         return torch.cat([call.output[rows] for call, rows in self.parts])
 
 
-def make_chunks(replays, max_rows):
+def chunk_rows(call_rows, backward):
+    """The most rows one replay runs: the loop's largest call's (vanilla's activation peak) under the
+    joint and split forms, twice that under batched; auto: batched on several ranks, split on one."""
+    from ..settings import resolve_backward
+    return call_rows * (2 if resolve_backward(backward) == "batched" else 1)
+
+
+def make_chunks(replays, max_rows, calls):
     """Chunks of at most max_rows rows, rows of alike calls (calls.Call.shared_key, and the same
-    parameters trainable) together, in the order the rows came; the rows of calls that cannot be cut
-    replay their whole call."""
+    parameters trainable) together, in the order of `calls` (the pending calls) and of the rows in
+    each (so that a chunk takes whole runs of one call's rows: one slice each, not one per row); the
+    rows of calls that cannot be cut replay their whole call."""
+    order = {id(call): i for i, call in enumerate(calls)}
     whole, groups = {}, {}
-    for replay in replays:
+    for replay in sorted(replays, key=lambda r: (order[id(r.call)], r.index)):
         if replay.call.splittable:
             groups.setdefault((replay.call.shared_key(), replay.call.trainable), []).append(replay)
         else:

@@ -35,9 +35,10 @@ def _jagg_modes():
     for backward, suffix in (("joint", ""), ("split", "_split"), ("batched", "_batched")):
         for reuse, tail in (("off", ""), ("on_policy", "_reuse")):
             modes.append(BenchMode(f"jagg{suffix}{tail}", "jagg", backward, reuse))
-    modes += [BenchMode("exact", "exact"), BenchMode("endpoints", "endpoints"),
-              BenchMode("deferred", "jagg", deferred=True), BenchMode("deferred_reuse", "jagg", reuse="on_policy",
-                                                                       deferred=True)]
+    modes += [BenchMode("exact", "exact"), BenchMode("endpoints", "endpoints")]
+    for backward, suffix in (("split", ""), ("batched", "_batched")):
+        for reuse, tail in (("off", ""), ("on_policy", "_reuse")):
+            modes.append(BenchMode(f"deferred{suffix}{tail}", "jagg", backward, reuse, deferred=True))
     return modes
 
 

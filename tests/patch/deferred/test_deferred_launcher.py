@@ -14,13 +14,12 @@ import pytest
     (["{tmp}/train.py", "--jagg_grouping", "window"], "use --jagg_grouping trained"),
     (["{tmp}/train.py", "--jagg_frac", "auto"], "has no fidelity monitor"),
     (["{tmp}/train.py", "--jagg_window", "1"], "--jagg_window: must be >= 2"),
-    (["{tmp}/train.py", "--jagg_backward", "split"], "has no use for --jagg_backward (the endpoints are replayed"),
     (["--jagg_deferred", "{tmp}/train.py"], "has no use for --jagg_deferred (it is the deferred update already)"),
     (["{tmp}/train.py", "--jagg_min_cos=0.5"], "has no use for --jagg_min_cos"),
     (["{tmp}/train.py", "--jagg_metrics_dir", "{tmp}/notes.txt/m"], "--jagg_metrics_dir '{tmp}/notes.txt/m' is not "
                                                                    "writable")],
     ids=["nothing", "no-script", "folder", "missing", "not-py", "flag-first", "typo", "window-grouping", "auto",
-         "bad-window", "backward", "deferred", "min-cos", "unwritable-metrics-dir"])
+         "bad-window", "deferred", "min-cos", "unwritable-metrics-dir"])
 def test_what_the_launcher_cannot_run_is_one_line_before_the_script_runs(argv, said, tmp_path, capsys):
     from jagg_patch.deferred.__main__ import main
     (tmp_path / "notes.txt").write_text("x")

@@ -90,6 +90,22 @@ def test_counts_per_group():
     assert s.rollout_rows == n * setting.steps and s.max_replay_diff == 0.0
 
 
+@pytest.mark.parametrize("loop", sorted(LOOPS))
+def test_the_batched_form_replays_twice_the_calls_rows_at_once(loop):
+    """--jagg_backward batched: chunks of twice the loop's call rows (the restated batched form's
+    peak), half the replay backwards, the same rows and the same gradient; split stays at the calls'."""
+    setting = Setting(batch=2)
+    got = {}
+    for backward in ("split", "batched"):
+        config = JaggConfig(window=4, jagg_frac=1.0, backward=backward)
+        got[backward], proxy = run(loop, setting, config)
+        s = proxy.stats[0]
+        call_rows, rest = divmod(s.rows_deferred, s.calls)   # every call of these loops has as many rows
+        assert rest == 0 and s.forwards_grad > 2 * call_rows
+        assert s.backward_calls == -(-s.forwards_grad // (call_rows * (2 if backward == "batched" else 1)))
+        assert_equal_steps(got[backward], reference_gradients(Velocity(), loop, setting, config, 0))
+
+
 def first_step(label):
     return label[2] == 0
 

@@ -79,3 +79,35 @@ def test_bf16_autocast():
     assert stats.max_replay_diff <= stats.replay_bound and stats.forwards_grad == stats.rows_deferred
     print("bf16 relative error", relative_error(got, plain))
     assert relative_error(got, plain) < 1e-2
+
+
+def _fingerprint_by_hand(row, weights):
+    """A row's fingerprint written out: its values' float64 bits as Python integers, the sums taken
+    modulo 2^64 and read back as signed."""
+    bits = [int(b) for b in row.detach().reshape(-1).to(torch.float64).numpy().view("int64")]
+    signed = lambda v: (v + 2 ** 63) % 2 ** 64 - 2 ** 63   # noqa: E731
+    return [signed(sum(bits)), *(signed(sum(b * int(w) for b, w in zip(bits, ws))) for ws in weights)]
+
+
+def test_a_rows_fingerprint_is_its_values_whatever_batch_offset_or_dtype():
+    from jagg_patch.deferred.calls import _weights, row_fingerprints
+    g = torch.Generator().manual_seed(3)
+    batch = torch.randn(9, 3, 4, 5, generator=g) * 1e3
+    prints = row_fingerprints(batch)
+    weights = _weights(60, "cpu")
+    assert prints[4].tolist() == _fingerprint_by_hand(batch[4], weights)
+    # one row alone, a strided view, the rows in another batch: the same fingerprints
+    assert row_fingerprints(batch[4:5].clone())[0].tolist() == prints[4].tolist()
+    assert row_fingerprints(batch[1::3])[1].tolist() == prints[4].tolist()
+    assert row_fingerprints(torch.cat([batch[7:], batch[:2]]))[3].tolist() == prints[1].tolist()
+    # the same values in another dtype: bf16, and those values cast up to float32 / float64
+    low = batch.to(torch.bfloat16)
+    assert row_fingerprints(low).tolist() == row_fingerprints(low.float()).tolist() \
+        == row_fingerprints(low.double()).tolist()
+    assert row_fingerprints(low)[2].tolist() == _fingerprint_by_hand(low[2], weights)
+    # one value changed by one ulp changes every part of that row's fingerprint, and no other row's
+    moved = batch.clone()
+    moved[6, 2, 3, 1] = torch.nextafter(moved[6, 2, 3, 1], torch.tensor(float("inf")))
+    changed = row_fingerprints(moved)
+    assert all(a != b for a, b in zip(changed[6].tolist(), prints[6].tolist()))
+    assert torch.equal(torch.cat([changed[:6], changed[7:]]), torch.cat([prints[:6], prints[7:]]))

@@ -11,7 +11,7 @@ import torch
 from dancegrpo import trainer
 from dancegrpo.algo import grpo
 from helpers import FAST, REPO_ROOT, captured_step, float64_setup, keep_rollout_outputs, read_metrics, relative_error, run_main
-from jagg_patch import JaggConfig, apply_deferred, make_policy_update
+from jagg_patch import JaggConfig, apply_deferred, make_policy_update, make_window_selection
 from jagg_patch import deferred
 
 pytestmark = pytest.mark.filterwarnings("ignore:Seems like `optimizer.step\\(\\)` has been overridden")
@@ -21,16 +21,23 @@ def flat_grads(model):
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad and p.grad is not None])
 
 
-def both_updates(make_args, config, micro_batch, trained=4, shared_noise=False):
+def both_updates(make_args, config, micro_batch, trained=4, shared_noise=False, steps_flags=()):
     """(deferred gradient, restated gradient, the proxy's stats) of one accumulation over every sample:
-    the rollout's calls run through the proxy (one call per transition over all samples, in order)."""
-    args, ctx, cond, rollout, adv = float64_setup(make_args, micro_batch, shared_noise=shared_noise)
+    the rollout's calls run through the proxy (one call per transition over all samples, in order).
+    Under the window grouping the samples train the windows the authors' selection draws."""
+    args, ctx, cond, rollout, adv = float64_setup(make_args, micro_batch, *steps_flags, shared_noise=shared_noise)
     n, S = adv.numel(), args.sampling_steps
     raw = ctx.transformer
-    proxy = deferred.wrap(raw, config).attach(ctx.optimizer)
+    window = config.grouping == "window"
+    proxy = deferred.wrap(raw, config, transitions=S - 1 if window else None).attach(ctx.optimizer)
     ctx.transformer = proxy
     keep_rollout_outputs(ctx, rollout, cond)   # the rollout's calls, through the proxy
-    steps = grpo.choose_train_steps(n, S - 1, trained, torch.Generator().manual_seed(1))
+    if window:
+        selection = make_window_selection(config.window)(n, S - 1, args.timestep_fraction,
+                                                         torch.Generator().manual_seed(1))
+        steps, trained = selection.steps, selection.num_train
+    else:
+        steps = grpo.choose_train_steps(n, S - 1, trained, torch.Generator().manual_seed(1))
     normaliser = args.gradient_accumulation_steps * trained
     raw.zero_grad(set_to_none=True)
     ctx.transformer.train()
@@ -113,6 +120,64 @@ def test_shared_initial_noise_is_placed_as_the_restated_update_groups_it(make_ar
     assert stats.forwards_reused == (stats.rows_deferred if reuse == "on_policy" else 0)
 
 
+@pytest.mark.parametrize("window, frac, alpha, shared_noise", [
+    (4, 1.0, "index", False), (2, 0.5, "timestep", False), (4, 1.0, "index", True), (2, 1.0, "timestep", True)])
+@pytest.mark.parametrize("micro_batch", [1, 3])
+def test_the_window_grouping_is_the_restated_update_float64(make_args, window, frac, alpha, shared_noise, micro_batch):
+    """The authors' grouping (S 9: 8 trainable transitions; W 4: 2 windows, 1 trained per sample; W 2:
+    4 windows, 2 trained, at jagg_frac 0.5 windows 0-1 JAGG and 2-3 exact): each row's window told by its
+    rollout position, routed by the window's index; the gradient is the restated update's, to 1e-12."""
+    config = JaggConfig(window=window, jagg_frac=frac, alpha=alpha, grouping="window")
+    got, ref, stats = both_updates(make_args, config, micro_batch, shared_noise=shared_noise,
+                                   steps_flags=("--sampling_steps", 9))
+    assert relative_error(got, ref) < 1e-12
+    assert stats.exact_rows == stats.rows_exact.get("routed exact", 0) and stats.jagg_groups > 0
+    assert (stats.rows_exact.get("routed exact", 0) > 0) == (frac < 1)
+    assert (stats.shared_placed > 0) == shared_noise
+
+
+def test_a_window_the_loop_trains_only_part_of_trains_exactly(make_args):
+    """A loop left as it is that trains part of a window (here vanilla's own random subset under the
+    window grouping): those rows train exactly, counted by their reason; the whole windows by JAGG."""
+    args, ctx, cond, rollout, adv = float64_setup(make_args, 2, "--sampling_steps", 9)
+    n = adv.numel()
+    proxy = deferred.wrap(ctx.transformer, JaggConfig(window=2, jagg_frac=1.0, grouping="window"), transitions=8)
+    raw, ctx.transformer = ctx.transformer, proxy.attach(ctx.optimizer)
+    keep_rollout_outputs(ctx, rollout, cond)
+    steps = torch.tensor([[0, 1, 2, 3, 4]] * n)   # windows 0 and 1 whole, 2 only half
+    trainer.accumulate_policy_gradient(ctx, rollout, cond, adv, torch.arange(n), steps, 10, grpo.policy_update,
+                                       on_policy=True)
+    stats = proxy.flush()
+    proxy.close()
+    ctx.transformer = raw
+    assert stats.jagg_groups == 2 * n and stats.rows_exact == {"window not trained whole": n}
+
+
+def test_a_window_that_does_not_divide_the_trajectory_is_refused():
+    with pytest.raises(deferred.DeferredError, match="needs the window \\(4\\) to divide the 7 trainable"):
+        deferred.wrap(torch.nn.Linear(2, 2), JaggConfig(window=4, grouping="window"), timestep="input",
+                      transitions=7)
+    with pytest.raises(deferred.DeferredError, match="transitions=S-1"):
+        deferred.wrap(torch.nn.Linear(2, 2), JaggConfig(window=4, grouping="window"), timestep="input")
+
+
+def test_the_window_grouping_through_the_trainer(make_args):
+    """The trainer draws the authors' windows (its select_train_steps seam) and its own update trains
+    them through the proxy: one step's gradient and counts as the restated window grouping's."""
+    import dancegrpo.train_grpo_flux as flux
+    from jagg_patch import apply_jagg
+    config = dict(window=4, jagg_frac=1.0, grouping="window", alpha="index")
+    flags = ("--no-init_same_noise", "--sampling_steps", "9")
+    apply_jagg(JaggConfig(backward="split", **config), trainer_module=flux)
+    restated, restated_grads, _ = captured_step(make_args, *flags)
+    apply_deferred(JaggConfig(**config), trainer_module=flux)
+    record, grads, _ = captured_step(make_args, *flags)
+    assert relative_error(grads[0], restated_grads[0]) < 1e-5
+    for name in ("transformer_backwards", "jagg_groups", "exact_groups"):
+        assert record[name] == restated[name], name
+    assert record["deferred_exact_rows"] == 0 and record["deferred_jagg_groups"] == restated["jagg_groups"]
+
+
 def test_shared_noise_through_the_trainer(make_args):
     """The trainer's own rollout and update (the tiny preset draws one noise per prompt group): every
     identical row placed, none forwarded at call time (one optimizer step: every call on-policy)."""
@@ -127,7 +192,7 @@ def test_shared_noise_through_the_trainer(make_args):
 @pytest.mark.parametrize("flags, message", [
     (["--engine", "deepspeed", "--deepspeed_config", os.path.join(REPO_ROOT, "configs", "deepspeed", "zero2.json")],
      "does not drive DeepSpeed"),
-    (["--jagg_grouping", "window"], "use --jagg_grouping trained"),
+    (["--jagg_grouping", "window"], "needs --jagg_window to divide the S-1 = 7 trainable transitions"),
     (["--jagg_frac", "auto"], "no fidelity monitor"),
     (["--jagg_monitor_every", "2"], "no fidelity monitor")])
 @pytest.mark.parametrize("deepspeed_installed", [True, False], ids=["deepspeed", "no-deepspeed"])
