@@ -1,5 +1,7 @@
 """The report of jagg_patch.tools.bench_update: the checks on the headline mode against the targets the
 caller gives (the benchmark scripts own them), and the markdown tables."""
+import statistics
+
 from .bench_modes import MODES
 from .bench_timing import gain
 
@@ -26,6 +28,29 @@ def checks(r, headline, joint_calls):
         pj2 = h["predicted_update_s"] + joint_calls * (u["joint_backward_2"] - 2 * u["backward"])
         out["predicted_update_gain_measured_b2"] = gain(pj2, r["predicted_update_s"]["vanilla"])
     return out
+
+
+def fixed_summary(update_s, vanilla_s, rollout_s, predicted, name, peak_mb):
+    return dict(update_s=update_s, update_gain=gain(update_s, vanilla_s), update_ratio=vanilla_s / update_s,
+                step_s=rollout_s + update_s, step_gain=gain(rollout_s + update_s, rollout_s + vanilla_s),
+                predicted_update_s=predicted[name], predicted_update_gain=gain(predicted[name], predicted["vanilla"]),
+                predicted_step_gain=gain(rollout_s + predicted[name], rollout_s + predicted["vanilla"]),
+                activation_peak_mb=peak_mb)
+
+
+def auto_summary(routing, times, monitor_times, rollout_s, vanilla_s, every, peak_mb):
+    """An auto mode's numbers: its timed runs measured in full; the routed update is each run less
+    its monitor's seconds, and the step at the run's cadence adds 1/every of the measurement."""
+    update_s = statistics.median(times)
+    monitor_s = statistics.median(monitor_times)
+    routed_s = statistics.median([t - m for t, m in zip(times, monitor_times)])
+    cadence_s = routed_s + monitor_s / every
+    return dict(update_s=update_s, update_gain=gain(update_s, vanilla_s), update_ratio=vanilla_s / update_s,
+                step_s=rollout_s + update_s, step_gain=gain(rollout_s + update_s, rollout_s + vanilla_s),
+                predicted_update_s=None, activation_peak_mb=peak_mb, monitor_s=monitor_s, routed_update_s=routed_s,
+                cadence_step_s=rollout_s + cadence_s,
+                cadence_step_ratio=(rollout_s + cadence_s) / (rollout_s + vanilla_s),
+                routed=sorted(routing.routed), smoothed_cos={p: routing.smoothed[p] for p in sorted(routing.smoothed)})
 
 
 def _met(flag):
@@ -61,6 +86,19 @@ def _auto_lines(r):
         cos = ", ".join(f"g{p} {c:.3f}" for p, c in m["smoothed_cos"].items())
         lines.append(f"| {mode} | {m['monitor_s']:.3f} | {m['routed_update_s']:.3f} | {m['cadence_step_s']:.3f} | "
                      f"{m['cadence_step_ratio']:.2f} (vanilla {vanilla_step:.3f} s) | {m['routed']} ({cos}) |")
+    return lines
+
+
+def _replay_lines(r):
+    if not r.get("deferred_replay"):
+        return []
+    lines = ["", f"Deferred flushes (the untimed run): rows replayed with grad against the restated plan's "
+                 f"{r['plan_replay_rows']} (two per JAGG group, every member of an exact one):", ""]
+    for mode, c in r["deferred_replay"].items():
+        same = c["rows"] + c["zero_rows"] == r["plan_replay_rows"] and not c["unplanned_exact_rows"]
+        lines.append(f"- {mode}: {c['rows']} replayed + {c['zero_rows']} with a zero signal skipped, in "
+                     f"{c['backwards']} backwards; rows trained exactly outside the plan {c['unplanned_exact_rows']}: "
+                     f"{'the restated plan' if same else 'NOT the restated plan'}")
     return lines
 
 
@@ -110,6 +148,7 @@ def format_report(r):
               "for backward (dancegrpo.utils.activation_meter.ActivationMeter)."]
     lines += _auto_lines(r)
     lines += _collective_lines(r)
+    lines += _replay_lines(r)
     h = r.get("headline")
     if h is None:
         return "\n".join(lines)

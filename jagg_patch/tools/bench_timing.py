@@ -121,3 +121,21 @@ def collective_summary(counts, num_samples, micro_batch):
                 reduce_scatters_per_unit_per_micro_batch=counts.total_reduce_scatters() / len(per_unit) / calls,
                 peak_gathered_units=counts.peak_gathered_units, units=len(per_unit),
                 peak_gathered_mb=counts.peak_gathered_bytes / 2 ** 20)
+
+
+def plan_replay_rows(steps, num_transitions, args):
+    """The forwards with grad (each with its backward) the restated plan runs over every sample: two per
+    JAGG group, one per member of an exact group (what a deferred flush's replay must match)."""
+    rows = 0
+    for row in steps.tolist():
+        for g in sample_groups(row, num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping):
+            rows += 2 if g.jagg and g.size >= 2 else g.size
+    return rows
+
+
+def replay_counts(flushes):
+    """A deferred mode's flushes in one update: the rows replayed with grad, those skipped for a zero
+    signal, the backward calls they took, and the rows trained exactly by a reason other than routing."""
+    return dict(rows=sum(s.forwards_grad for s in flushes), zero_rows=sum(s.zero_rows for s in flushes),
+                backwards=sum(s.backward_calls for s in flushes),
+                unplanned_exact_rows=sum(n for s in flushes for why, n in s.rows_exact.items() if why != "routed exact"))

@@ -9,11 +9,11 @@
 Modes: vanilla (dancegrpo's own seams), jagg (joint backward), jagg_split (split backward),
 jagg_batched (both endpoints in one forward), each also with _reuse (--jagg_reuse_rollout
 on_policy: the first GA samples take their middle members' outputs from the rollout), exact
-(per-step backward of the same groups) and endpoints (the ablation, joint backward); deferred and
-deferred_reuse run vanilla's own update with the transformer behind jagg_patch.deferred's proxy (its
-rollout recorded by re-running the same rollout through it, untimed; the flush is timed with the
-update; with _reuse the first GA samples' calls take the rollout's outputs), not among the defaults:
---bench_modes vanilla,jagg_split_reuse,deferred,deferred_reuse sets them side by side. A JAGG mode
+(per-step backward of the same groups) and endpoints (the ablation, joint backward); deferred,
+deferred_batched (replay chunks of twice the call rows) and their _reuse run vanilla's own update with
+the transformer behind jagg_patch.deferred's proxy (its rollout recorded by re-running the same rollout
+through it, untimed; the flush is timed with the update; with _reuse the first GA samples' calls take
+the rollout's outputs), not among the defaults: --bench_modes vanilla,jagg_batched_reuse,deferred_batched_reuse. A JAGG mode
 with _auto (jagg_auto, jagg_split_reuse_auto, ...) is --jagg_frac auto with the live fidelity
 monitor measuring in every timed run (each run is a new training step to it, so the monitor's
 passes are in every timing): its time splits into the monitor's (monitor_time_s) and the routed
@@ -68,9 +68,9 @@ from dancegrpo.utils.precision import describe_precision  # noqa: E402
 from ..cli import check_trajectory, trainer_cli  # noqa: E402
 from ..config import AUTO_MONITOR_EVERY  # noqa: E402
 from .bench_modes import headline_mode, make_update, parse_modes  # noqa: E402
-from .bench_report import checks, format_report  # noqa: E402
-from .bench_timing import (Timer, UnitCosts, collective_summary, collectives, gain, predicted_seconds,  # noqa: E402
-                           selections_of)
+from .bench_report import auto_summary, checks, fixed_summary, format_report  # noqa: E402
+from .bench_timing import (Timer, UnitCosts, collective_summary, collectives, plan_replay_rows,  # noqa: E402
+                           predicted_seconds, replay_counts, selections_of)
 from .cost_model import sample_groups  # noqa: E402
 from .reports import print_and_write  # noqa: E402
 from .tool_args import add_bench_args  # noqa: E402
@@ -102,6 +102,7 @@ class Bench:
         self.rollout_times = []
         self.times = {m.name: [] for m in modes}
         self.monitor_times = {m.name: [] for m in modes if m.auto}
+        self.replayed = {}   # a deferred mode's flush counts in the untimed run
 
     def _recorded_proxy(self, mode):
         """A deferred mode's proxy of the transformer, the bench's rollout re-run through it (the same
@@ -179,9 +180,12 @@ class Bench:
         peaks, counted = {}, {}
         for mode in self.modes:
             self.ctx.transformer.zero_grad(set_to_none=True)
+            flushed = len(self.proxies[mode.name].stats) if mode.deferred else 0
             with ActivationMeter() as meter, collectives(self.ctx) as counts:
                 self.run_update(mode)
             peaks[mode.name] = meter.peak_mb
+            if mode.deferred:
+                self.replayed[mode.name] = replay_counts(self.proxies[mode.name].stats[flushed:])
             if counts is not None:
                 counted[mode.name] = collective_summary(counts, self.num_samples, self.args.update_batch_size)
         self.ctx.transformer.zero_grad(set_to_none=True)
@@ -236,45 +240,23 @@ def summarize(bench, peaks, counted):
         reps=args.bench_reps, unit_costs_s=units, rollout_s=rollout_s, rollout_times_s=bench.rollout_times,
         update_median_s=med, update_times_s=bench.times, predicted_update_s=predicted,
         predicted_update_s_authors_schedule=authors, activation_peak_mb=peaks, fsdp_collectives=counted,
+        plan_replay_rows=plan_replay_rows(jagg_sel.steps, num_transitions, args), deferred_replay=bench.replayed,
         headline=headline, paper_step_gain=paper_step_gain, targets=targets,
         sde_window_size=getattr(args, "sde_window_size", 0), modes={},
         monitor_every=args.jagg_monitor_every or AUTO_MONITOR_EVERY, monitor_times_s=bench.monitor_times)
     for mode in modes:
         if mode.auto:
-            result["modes"][mode.name] = _auto_summary(bench.updates[mode.name].routing, bench.times[mode.name],
-                                                       bench.monitor_times[mode.name], rollout_s, med["vanilla"],
-                                                       result["monitor_every"], peaks[mode.name])
+            result["modes"][mode.name] = auto_summary(bench.updates[mode.name].routing, bench.times[mode.name],
+                                                      bench.monitor_times[mode.name], rollout_s, med["vanilla"],
+                                                      result["monitor_every"], peaks[mode.name])
         else:
-            result["modes"][mode.name] = _fixed_summary(med[mode.name], med["vanilla"], rollout_s, predicted,
-                                                        mode.name, peaks[mode.name])
+            result["modes"][mode.name] = fixed_summary(med[mode.name], med["vanilla"], rollout_s, predicted,
+                                                       mode.name, peaks[mode.name])
     if headline is not None:
         joint_calls = sum(g.jagg for row in jagg_sel.steps.tolist() for g in sample_groups(
             row, num_transitions, args.jagg_window, args.jagg_frac, args.jagg_grouping)) / args.update_batch_size
         result.update(checks(result, headline, joint_calls))
     return result
-
-
-def _fixed_summary(update_s, vanilla_s, rollout_s, predicted, name, peak_mb):
-    return dict(update_s=update_s, update_gain=gain(update_s, vanilla_s), update_ratio=vanilla_s / update_s,
-                step_s=rollout_s + update_s, step_gain=gain(rollout_s + update_s, rollout_s + vanilla_s),
-                predicted_update_s=predicted[name], predicted_update_gain=gain(predicted[name], predicted["vanilla"]),
-                predicted_step_gain=gain(rollout_s + predicted[name], rollout_s + predicted["vanilla"]),
-                activation_peak_mb=peak_mb)
-
-
-def _auto_summary(routing, times, monitor_times, rollout_s, vanilla_s, every, peak_mb):
-    """An auto mode's numbers: its timed runs measured in full; the routed update is each run less
-    its monitor's seconds, and the step at the run's cadence adds 1/every of the measurement."""
-    update_s = statistics.median(times)
-    monitor_s = statistics.median(monitor_times)
-    routed_s = statistics.median([t - m for t, m in zip(times, monitor_times)])
-    cadence_s = routed_s + monitor_s / every
-    return dict(update_s=update_s, update_gain=gain(update_s, vanilla_s), update_ratio=vanilla_s / update_s,
-                step_s=rollout_s + update_s, step_gain=gain(rollout_s + update_s, rollout_s + vanilla_s),
-                predicted_update_s=None, activation_peak_mb=peak_mb, monitor_s=monitor_s, routed_update_s=routed_s,
-                cadence_step_s=rollout_s + cadence_s,
-                cadence_step_ratio=(rollout_s + cadence_s) / (rollout_s + vanilla_s),
-                routed=sorted(routing.routed), smoothed_cos={p: routing.smoothed[p] for p in sorted(routing.smoothed)})
 
 
 def main(argv=None):

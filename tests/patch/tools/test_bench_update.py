@@ -52,8 +52,8 @@ def test_the_deferred_modes_run_beside_the_restated_ones(cache_dir, tmp_path):
     assert group_passes(Group(0, (0, 1, 2, 3), True), "jagg", "deferred") == (2, 4, 2)
     assert group_passes(Group(0, (0, 1, 2, 3), True), "jagg", "deferred_reuse") == (2, 0, 2)
     assert group_passes(Group(1, (4,), False), "jagg", "deferred") == (1, 1, 1)
-    result = bench(cache_dir, tmp_path, "--bench_modes", "vanilla,jagg_split_reuse,deferred,deferred_reuse",
-                   "--jagg_frac", "1")
+    result = bench(cache_dir, tmp_path, "--bench_modes",
+                   "vanilla,jagg_split_reuse,deferred,deferred_reuse,deferred_batched_reuse", "--jagg_frac", "1")
     modes, units = result["modes"], result["unit_costs_s"]
     assert all(modes[m]["update_s"] > 0 for m in ("deferred", "deferred_reuse"))
     # GA covers the rollout, so every sample is on-policy: with reuse the deferred passes are the restated ones
@@ -62,7 +62,16 @@ def test_the_deferred_modes_run_beside_the_restated_ones(cache_dir, tmp_path):
     extra = 4 * (3 * units["f_nograd"] + 1 * units["f_nograd"]) / 4
     assert modes["deferred"]["predicted_update_s"] == pytest.approx(
         modes["deferred_reuse"]["predicted_update_s"] + extra)
-    assert "| deferred_reuse |" in (tmp_path / "bench.md").read_text()
+    report = (tmp_path / "bench.md").read_text()
+    assert "| deferred_reuse |" in report and "| deferred_batched_reuse |" in report
+    # each flush replays the restated plan's rows (4 samples x (2 endpoints + 1 exact row); the shared
+    # first steps of --init_same_noise placed), in chunks of the calls' 4 rows, or of 8 when batched
+    assert result["plan_replay_rows"] == 12
+    for mode, chunk in (("deferred", 4), ("deferred_reuse", 4), ("deferred_batched_reuse", 8)):
+        counts = result["deferred_replay"][mode]
+        assert counts["rows"] + counts["zero_rows"] == 12 and counts["unplanned_exact_rows"] == 0, counts
+        assert counts["backwards"] == -(-counts["rows"] // chunk), counts
+    assert report.count(": the restated plan") == 3
 
 
 def test_the_deferred_modes_refuse_the_window_grouping(cache_dir, tmp_path):
