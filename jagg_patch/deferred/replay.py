@@ -2,7 +2,8 @@
 replay's activation peak is vanilla's), or twice that under the batched backward form (both endpoints
 of a call's rows in one forward: the restated batched form's peak, fewer and larger passes), each
 chunk one forward with grad under the autocast and train / eval mode its rows were called in,
-checked against the call-time output, and one backward of the chunk's signals; and how each engine runs them so that no rank waits for another:
+checked against the call-time output, and one backward of the chunk's signals; and how each engine
+runs them so that no rank waits for another:
 
 - one process: the chunks as they are;
 - DDP (the proxy outside it): every chunk but the last through the inner module (no DDP hooks: as
