@@ -106,17 +106,17 @@ def _one_replay_per_input(exact):
 
 
 def _nonzero(replays, stats):
-    """The replays whose signal is not all zero (a row the loss did not reach), read once per kind of
-    signal rather than once per row (each read waits for the device)."""
-    alike, kept = {}, set()
-    for replay in replays:
-        signal = replay.signal
-        alike.setdefault((signal.dtype, signal.device, tuple(signal.shape)), []).append(replay)
-    for batch in alike.values():
-        nonzero = torch.stack([r.signal for r in batch]).reshape(len(batch), -1).ne(0).any(1).tolist()
-        kept.update(id(r) for r, keep in zip(batch, nonzero) if keep)
+    """The replays whose signal is not all zero (a row the loss did not reach), read once per device
+    rather than once per row (each read waits for the device); one flag per row, no copy of the signals."""
+    on_device, keep = {}, [False] * len(replays)
+    for i, replay in enumerate(replays):
+        on_device.setdefault(replay.signal.device, []).append(i)
+    for found in on_device.values():
+        for i, flag in zip(found, torch.stack([replays[i].signal.ne(0).any() for i in found]).tolist()):
+            keep[i] = flag
+    kept = [r for r, flag in zip(replays, keep) if flag]
     stats.zero_rows += len(replays) - len(kept)
-    return [r for r in replays if id(r) in kept]
+    return kept
 
 
 def _cut(members, config, transitions):
